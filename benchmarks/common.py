@@ -1,0 +1,198 @@
+"""Side-by-side measurements for the benchmark scripts.
+
+Every benchmark compares a baseline with a treatment *in one process*, interleaving
+repetitions (A B A B ...) so that a noisy, shared machine slows both alike, and
+reports ratios rather than absolute times.
+
+Time is measured through the real engine (``slipstream.Trainer``) with the real
+plugins; memory is the peak resident-set growth during training, sampled at about
+1 kHz, after returning freed memory to the OS between variants (CPU has no
+allocator statistics like ``torch.cuda.max_memory_allocated``; on CUDA we use those).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from slipstream import Algorithm, Trainer, hookimpl
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--steps", type=int, default=20, help="timed training steps per repetition")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per variant")
+    p.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, one repetition")
+    return p
+
+
+def random_loader(n: int, image_size: int, batch_size: int, num_classes: int = 10) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(n, 3, image_size, image_size, generator=g)
+    y = torch.randint(0, num_classes, (n,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False, drop_last=True)
+
+
+class _StepTimer(Algorithm):
+    """Records the host time at the end of every batch (no device sync: the
+    final reading syncs, so the average over many steps is right)."""
+
+    name = "bench_timer"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    @hookimpl
+    def batch_end(self, state: Any) -> None:
+        if state.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+
+
+class PeakRSS:
+    """Peak growth of the resident set size inside the ``with`` block, in MiB."""
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        self.interval_s = interval_s
+        self.peak_mib = 0.0
+
+    @staticmethod
+    def rss_mib() -> float:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * 4096 / 2**20
+
+    def __enter__(self) -> PeakRSS:
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed memory back first
+        except OSError:
+            pass
+        self._start = self.rss_mib()
+        self._peak = self._start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._peak = max(self._peak, self.rss_mib())
+            time.sleep(self.interval_s)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._peak = max(self._peak, self.rss_mib())
+        self.peak_mib = self._peak - self._start
+
+
+@dataclass
+class Result:
+    name: str
+    step_s: list[float] = field(default_factory=list)
+    peak_mib: list[float] = field(default_factory=list)
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.step_s)
+
+    @property
+    def median_peak_mib(self) -> float:
+        return statistics.median(self.peak_mib) if self.peak_mib else float("nan")
+
+
+Variant = Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer, list[Algorithm]]]
+
+
+def run_variant(
+    build: Variant,
+    loader: DataLoader,
+    steps: int,
+    warmup: int,
+    measure_memory: bool = False,
+    device: str = "cpu",
+) -> tuple[float, float]:
+    """(seconds per step, peak MiB) for one training run of warmup + steps batches."""
+    model, optimizer, algorithms = build()
+    timer = _StepTimer()
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(
+            model=model,
+            optimizer=optimizer,
+            train_data=loader,
+            max_duration=f"{warmup + steps}ba",
+            algorithms=[*algorithms, timer],
+            run_dir=Path(tmp) / "run",
+            device=device,
+            eval_interval=None,
+            checkpoint_interval=None,
+            progress_bar=False,
+            verbose=False,
+            log_interval=10**9,
+        )
+        trainer.checkpointer.write = False
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        if measure_memory and device != "cuda":
+            with PeakRSS() as mem:
+                trainer.fit()
+            peak = mem.peak_mib
+        else:
+            trainer.fit()
+            peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else float("nan")
+    t = timer.times
+    step_s = (t[-1] - t[warmup - 1]) / (len(t) - warmup) if warmup > 0 else (t[-1] - t[0]) / (len(t) - 1)
+    return step_s, peak
+
+
+def compare(
+    variants: dict[str, Variant],
+    loader: DataLoader | Callable[[str], DataLoader],
+    *,
+    steps: int,
+    warmup: int,
+    repeats: int,
+    measure_memory: bool = False,
+    device: str = "cpu",
+) -> dict[str, Result]:
+    """Run every variant ``repeats`` times, interleaved; the first is the baseline."""
+    results = {name: Result(name) for name in variants}
+    for _ in range(repeats):
+        for name, build in variants.items():
+            data = loader(name) if callable(loader) and not isinstance(loader, DataLoader) else loader
+            step_s, peak = run_variant(build, data, steps, warmup, measure_memory, device)
+            results[name].step_s.append(step_s)
+            results[name].peak_mib.append(peak)
+    return results
+
+
+def report(title: str, results: dict[str, Result], memory: bool = False) -> str:
+    """A table with speed-up (and memory) ratios against the first variant."""
+    names = list(results)
+    base = results[names[0]]
+    lines = [title, f"{'variant':<28} {'ms/step':>9} {'speed-up':>9}" + (f" {'peak MiB':>9} {'memory':>8}" if memory else "")]
+    for name in names:
+        r = results[name]
+        line = f"{name:<28} {1000 * r.median_step_s:>9.1f} {base.median_step_s / r.median_step_s:>8.2f}x"
+        if memory:
+            line += f" {r.median_peak_mib:>9.1f} {r.median_peak_mib / base.median_peak_mib:>7.2f}x"
+        lines.append(line)
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text

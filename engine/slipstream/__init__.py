@@ -1,0 +1,35 @@
+"""Slipstream: a PyTorch training engine whose speed-up techniques are plugins.
+
+The public API, which plugins may import:
+
+- :class:`Trainer` runs the loop; :class:`State` is what every hook receives.
+- :class:`Algorithm` is the base class of a technique; :data:`hookimpl` marks its
+  hook methods (the contract is :mod:`slipstream.hookspecs`).
+- :class:`Duration` parses ``10ep``, ``0.3dur``, ``15m`` ...
+"""
+
+from .algorithm import Algorithm
+from .checkpoint import load_checkpoint
+from .duration import Duration, DurationError
+from .errors import CheckpointError, ConfigError, PluginError, SlipstreamError
+from .hookspecs import hookimpl
+from .state import State, Timestamp, unwrap_model
+from .trainer import Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Algorithm",
+    "CheckpointError",
+    "ConfigError",
+    "Duration",
+    "DurationError",
+    "PluginError",
+    "SlipstreamError",
+    "State",
+    "Timestamp",
+    "Trainer",
+    "hookimpl",
+    "load_checkpoint",
+    "unwrap_model",
+]

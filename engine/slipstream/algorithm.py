@@ -1,0 +1,48 @@
+"""`Algorithm`, the base class of every speed-up technique."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class Algorithm:
+    """A speed-up technique: a name, an optional config dataclass and hook methods.
+
+    Subclasses set ``name`` (what users type after ``--algorithms``) and may set
+    ``config_class`` (a dataclass whose ``__post_init__`` raises ``ValueError`` for
+    an out-of-range value). The engine builds the algorithm as ``cls(config)``.
+
+    Order is declared, never accidental: ``runs_after`` and ``runs_before`` name
+    algorithms whose hooks must fire before (after) this one's; ``conflicts_with``
+    names algorithms that cannot share a run. Names of algorithms that are not in
+    the run are ignored.
+
+    Hooks are plain methods decorated with :data:`slipstream.hookimpl`. State that
+    must survive a checkpoint goes through ``state_dict`` / ``load_state_dict``.
+    """
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type | None] = None
+    runs_after: ClassVar[tuple[str, ...]] = ()
+    runs_before: ClassVar[tuple[str, ...]] = ()
+    conflicts_with: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: Any = None) -> None:
+        if config is None and self.config_class is not None:
+            config = self.config_class()
+        self.config = config
+
+    @classmethod
+    def summary(cls) -> str:
+        """One line for ``slipstream algorithms``: the docstring's first line."""
+        doc = (cls.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"

@@ -1,0 +1,87 @@
+"""Checkpoint files: what they hold, written atomically, read with a clear error.
+
+A checkpoint is a plain dict that ``torch.load(path, weights_only=True)`` reads:
+the unwrapped model's ``state_dict``, the optimizer's, every scheduler's, every
+plugin's state under its registered name (with version and config), the
+timestamp, the random number generators and the resolved config. Together with
+the seed-and-epoch data order, that is what a bit-exact resume needs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+
+FORMAT = "slipstream.checkpoint"
+FORMAT_VERSION = 1
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _to_lists(random.getstate())}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_to_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_lists(value: Any) -> Any:
+    return [_to_lists(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _to_tuples(value: Any) -> Any:
+    return tuple(_to_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def save_checkpoint(payload: dict[str, Any], path: str | Path) -> Path:
+    """Write ``payload`` to ``path`` atomically: a crash mid-write leaves the
+    previous file intact, never a truncated one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **payload}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """Read a checkpoint written by Slipstream, or raise CheckpointError saying why not."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "checkpoints" / "latest.pt" if (path / "checkpoints").is_dir() else path / "latest.pt"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or not a PyTorch checkpoint ({reason[:200]})"
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a Slipstream checkpoint (no '{FORMAT}' format tag)")
+    if payload.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} was written by a newer Slipstream (format {payload['format_version']}); "
+            f"this one reads format {FORMAT_VERSION}"
+        )
+    return payload

@@ -1,0 +1,181 @@
+"""The command line: a thin layer over the Python API.
+
+    slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [key=value ...]
+    slipstream algorithms [--json]
+    slipstream recipes [--json]
+    slipstream plot RUN_DIR [RUN_DIR ...] [-o runs.png]
+    slipstream compare RUN_DIR [RUN_DIR ...] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import SlipstreamError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"slipstream: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="slipstream",
+        description="Train vision models with speed-up techniques as plugins.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    train = sub.add_parser(
+        "train",
+        help="train a model (the default recipe unless --recipe is given)",
+        description="Train. Merge order: defaults < recipe < --algorithms < key=value overrides.",
+    )
+    train.add_argument("--recipe", "-r", default=None, help="a bundled recipe name or a YAML path (default: 'default')")
+    train.add_argument(
+        "--algorithms", "-a", default=None, help="comma-separated algorithms to add; 'no:NAME' removes one"
+    )
+    train.add_argument("--quiet", "-q", action="store_true", help="no progress bar or summary table")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.max_duration=5ep")
+
+    algos = sub.add_parser("algorithms", help="list installed algorithms")
+    algos.add_argument("--json", action="store_true", help="machine-readable output")
+
+    recipes = sub.add_parser("recipes", help="list bundled recipes")
+    recipes.add_argument("--json", action="store_true", help="machine-readable output")
+
+    plot = sub.add_parser("plot", help="plot loss, accuracy, throughput, LR and image size of runs")
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument("--output", "-o", default=None, help="PNG path (default: RUN_DIR/plot.png for one run, runs.png otherwise)")
+
+    compare = sub.add_parser("compare", help="side-by-side table of runs (the first is the baseline)")
+    compare.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    compare.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return _COMMANDS[args.command](args)
+    except SlipstreamError as exc:
+        print(f"slipstream: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as exc:  # data and results errors are ValueErrors with a clear message
+        if type(exc).__name__ in ("DataError", "ResultsError"):
+            print(f"slipstream: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+    except KeyboardInterrupt:
+        print("slipstream: interrupted", file=sys.stderr)
+        return 130
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .config import build_config
+    from .recipes import DEFAULT_RECIPE
+    from .runner import build_trainer
+
+    recipe = args.recipe or DEFAULT_RECIPE
+    cfg = build_config(recipe, args.algorithms, args.overrides)
+    if args.quiet:
+        cfg.trainer.progress_bar = False
+    trainer = build_trainer(cfg, label=Path(recipe).stem, verbose=not args.quiet)
+    summary = trainer.fit()
+    if not args.quiet and trainer.state.rank == 0:
+        print(format_summary(summary))
+    return 0
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    def pct(value: Any) -> str:
+        return f"{100 * value:.2f} %" if isinstance(value, (int, float)) else "-"
+
+    rows = [
+        ("status", summary.get("status", "-")),
+        ("accuracy", pct(summary.get("accuracy"))),
+        ("best accuracy", pct(summary.get("best_accuracy"))),
+        ("wall time", f"{summary.get('wall_time_s', 0):.1f} s"),
+        ("throughput", f"{summary.get('samples_per_s', 0):.0f} samples/s"),
+        ("epochs / batches", f"{summary.get('epochs')} / {summary.get('batches')}"),
+        ("algorithms", ", ".join(a["name"] for a in summary.get("algorithms", [])) or "none"),
+        ("device", f"{summary.get('device')} x {summary.get('world_size', 1)}"),
+        ("run directory", summary.get("run_dir", "-")),
+    ]
+    width = max(len(key) for key, _ in rows)
+    line = "-" * (width + 40)
+    body = "\n".join(f"{key:<{width}}  {value}" for key, value in rows)
+    return f"{line}\n{body}\n{line}"
+
+
+def _algorithms(args: argparse.Namespace) -> int:
+    from .plugins import discover
+
+    infos = discover()
+    if args.json:
+        print(json.dumps([info.as_dict() for info in infos.values()], indent=2))
+        return 0
+    if not infos:
+        print("no algorithms installed (entry point group 'slipstream.algorithms')")
+        return 0
+    rows = [
+        (i.name, i.distribution, i.version, f"FAILED TO LOAD: {i.error}" if i.error else i.summary)
+        for i in infos.values()
+    ]
+    widths = [max(len(r[c]) for r in rows + [("name", "distribution", "version", "")]) for c in range(3)]
+    print(f"{'name':<{widths[0]}}  {'distribution':<{widths[1]}}  {'version':<{widths[2]}}  summary")
+    for row in rows:
+        print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}")
+    return 0
+
+
+def _recipes(args: argparse.Namespace) -> int:
+    from .recipes import bundled, description
+
+    recipes = bundled()
+    if args.json:
+        print(json.dumps([{"name": n, "path": str(p), "description": description(p)} for n, p in recipes.items()], indent=2))
+        return 0
+    width = max((len(n) for n in recipes), default=4)
+    for name, path in recipes.items():
+        print(f"{name:<{width}}  {description(path)}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .results import load_run, plot_runs
+
+    runs = [load_run(Path(p)) for p in args.runs]
+    out = args.output or (Path(args.runs[0]) / "plot.png" if len(runs) == 1 else Path("runs.png"))
+    print(plot_runs(runs, Path(out)))
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from .results import compare_runs, compare_runs_json, load_run
+
+    runs = [load_run(Path(p)) for p in args.runs]
+    print(json.dumps(compare_runs_json(runs), indent=2) if args.json else compare_runs(runs))
+    return 0
+
+
+_COMMANDS = {
+    "train": _train,
+    "algorithms": _algorithms,
+    "recipes": _recipes,
+    "plot": _plot,
+    "compare": _compare,
+}

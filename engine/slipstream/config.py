@@ -1,0 +1,251 @@
+"""Structured run configuration and its merge order:
+defaults < recipe (with ``extends``) < ``--algorithms`` < dotted overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .duration import Duration, DurationError
+from .errors import ConfigError, did_you_mean
+from .recipes import find_recipe
+
+
+@dataclass
+class ModelConfig:
+    name: str = "resnet18"  # timm or torchvision name; prefix "timm/" or "torchvision/" to choose
+    num_classes: Optional[int] = None  # None: the dataset's
+    cifar_stem: bool = False  # 3x3 stride-1 stem, no max-pool: ResNets at 32 px
+    pretrained: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the model's constructor
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"  # synthetic | cifar10 | cifar100 | imagefolder
+    root: Optional[str] = None
+    download: bool = False
+    image_size: int = 32
+    num_classes: int = 10  # synthetic only; real datasets say their own
+    train_size: int = 5000  # synthetic
+    val_size: int = 1000  # synthetic
+    batch_size: int = 128  # per process
+    eval_batch_size: Optional[int] = None  # None: 2 x batch_size
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    drop_last: bool = True
+    normalize: bool = True  # normalise on the device with the dataset's mean/std
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "sgd"  # sgd | adamw | adafactor
+    lr: float = 0.1
+    weight_decay: float = 5e-4
+    momentum: float = 0.9  # sgd
+    nesterov: bool = False  # sgd
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
+    eps: Optional[float] = None  # None: the optimizer's default
+    impl: str = "auto"  # auto | fused | foreach | for_loop
+
+
+@dataclass
+class TrainerConfig:
+    max_duration: str = "5ep"
+    seed: int = 0
+    eval_interval: str = "1ep"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    run_dir: Optional[str] = None  # None: runs/<recipe>-<date>-<time>
+    log_interval: int = 20  # batches between train records (the only device syncs)
+    checkpoint_interval: Optional[str] = "1ep"  # None: only at the end
+    checkpoint_keep: int = 2  # interval checkpoints kept besides latest.pt
+    load_path: Optional[str] = None  # a checkpoint to resume from
+    overwrite: bool = False  # allow a run_dir that already holds a run
+    progress_bar: bool = True
+    threads: Optional[int] = None  # torch.set_num_threads; None: torch's default
+    deterministic: bool = False  # torch.use_deterministic_algorithms
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # name -> options; presence enables the algorithm.
+    algorithms: dict[str, Any] = field(default_factory=dict)
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "trainer": TrainerConfig,
+}
+DURATION_KEYS = ("trainer.max_duration", "trainer.eval_interval", "trainer.checkpoint_interval")
+FREE_FORM = ("model.kwargs",)  # dictionaries whose keys are not ours to check
+
+
+def load_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe as a plain dict, with its ``extends`` chain merged underneath it."""
+    path = path.resolve()
+    if path in _seen:
+        chain = " -> ".join(p.name for p in (*_seen, path))
+        raise ConfigError(f"recipe {path} extends itself: {chain}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"recipe {path} is not valid YAML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read recipe {path}: {exc.strerror}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"recipe {path} must be a mapping with model/data/optimizer/trainer/algorithms sections")
+    parent = raw.pop("extends", None)
+    check_keys(raw, source=str(path))
+    if parent is None:
+        return raw
+    parent_path = find_recipe(str(parent), relative_to=path.parent)
+    base = load_recipe_file(parent_path, (*_seen, path))
+    return OmegaConf.to_container(OmegaConf.merge(base, raw))  # type: ignore[return-value]
+
+
+def check_keys(cfg: dict[str, Any], source: str) -> None:
+    """Reject unknown keys, naming the closest valid one."""
+    allowed_top = (*SECTIONS, "algorithms", "extends")
+    for section, values in cfg.items():
+        if section not in allowed_top:
+            raise ConfigError(
+                f"{source}: unknown section {section!r}{did_you_mean(section, allowed_top)}; "
+                f"allowed: {', '.join(allowed_top)}"
+            )
+        if section == "algorithms":
+            if values is not None and not isinstance(values, dict):
+                raise ConfigError(f"{source}: 'algorithms' must map algorithm names to their options")
+            continue
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section {section!r} must be a mapping, got {values!r}")
+        fields = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        for key in values:
+            if key not in fields:
+                valid = [f"{section}.{f}" for f in fields]
+                raise ConfigError(
+                    f"{source}: unknown key '{section}.{key}'"
+                    f"{did_you_mean(f'{section}.{key}', valid)}; allowed in {section}: {', '.join(fields)}"
+                )
+
+
+def parse_algorithm_list(text: str) -> tuple[list[str], list[str]]:
+    """``"a,b,no:c"`` -> (["a", "b"], ["c"])."""
+    add, remove = [], []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if item.startswith("no:"):
+            remove.append(item[3:].strip())
+        else:
+            add.append(item)
+    return add, remove
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Dotted ``key=value`` pairs as a nested dict (values parsed as YAML)."""
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. trainer.max_duration=5ep")
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot parse overrides {overrides}: {exc}") from None
+
+
+def build_config(
+    recipe: str | Path | None = None,
+    algorithms: str | None = None,
+    overrides: list[str] | None = None,
+) -> DictConfig:
+    """Resolve a run's configuration in the documented merge order."""
+    merged = OmegaConf.structured(RunConfig)
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if recipe is not None:
+        path = find_recipe(str(recipe))
+        layers.append((f"recipe {path}", load_recipe_file(path)))
+    for source, layer in layers:
+        merged = _merge(merged, layer, source)
+
+    algos = dict(OmegaConf.to_container(merged.algorithms) or {})
+    if algorithms:
+        add, remove = parse_algorithm_list(algorithms)
+        for name in add:
+            algos.setdefault(name, {})
+        for name in remove:
+            algos.pop(name, None)
+
+    over = parse_overrides(list(overrides or []))
+    check_keys(over, source="command line")
+    for name, options in (over.pop("algorithms", None) or {}).items():
+        # A dotted option for an algorithm enables it: the user asked for it by name.
+        if options is False or options is None:
+            algos.pop(name, None)
+            continue
+        current = algos.get(name) or {}
+        if not isinstance(options, dict):
+            raise ConfigError(f"algorithms.{name} must be given as algorithms.{name}.<key>=<value>")
+        algos[name] = {**current, **options}
+    merged = _merge(merged, over, "command line")
+    merged.algorithms = {name: (opts or {}) for name, opts in algos.items()}
+    validate(merged)
+    return merged
+
+
+def _merge(base: DictConfig, layer: dict[str, Any], source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, layer)  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        message = str(exc).strip().splitlines()[0]
+        raise ConfigError(f"{source}: bad value for {key}: {message}") from None
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks that the types alone do not express."""
+    for dotted in DURATION_KEYS:
+        value = OmegaConf.select(cfg, dotted)
+        if value is None and dotted != "trainer.max_duration":
+            continue
+        try:
+            d = Duration.parse(value)
+        except DurationError as exc:
+            raise ConfigError(f"{dotted}: {exc}") from None
+        if dotted == "trainer.max_duration" and d.unit == "dur":
+            raise ConfigError("trainer.max_duration: 'dur' is relative to the run itself; use ep, ba, sp or a wall-clock time")
+        if d.value <= 0:
+            raise ConfigError(f"{dotted}: must be positive, got {value!r}")
+    if cfg.data.batch_size < 1:
+        raise ConfigError(f"data.batch_size must be at least 1, got {cfg.data.batch_size}")
+    if cfg.data.image_size < 8:
+        raise ConfigError(f"data.image_size must be at least 8 pixels, got {cfg.data.image_size}")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be 0 or more, got {cfg.data.num_workers}")
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
+    if cfg.trainer.log_interval < 1:
+        raise ConfigError(f"trainer.log_interval must be at least 1 batch, got {cfg.trainer.log_interval}")
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def to_dict(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,55 @@
+"""Durations with a unit: ``10ep``, ``2000ba``, ``50000sp``, ``0.3dur``, ``90s``, ``15m``, ``24h``."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Wall-clock units are normalised to seconds so that one unit ("s") covers them all.
+_WALL_CLOCK = {"s": 1.0, "m": 60.0, "h": 3600.0}
+UNITS = ("ep", "ba", "sp", "dur", "s")
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*(ep|ba|sp|dur|s|m|h)\s*$")
+
+
+class DurationError(ValueError):
+    """A duration string could not be parsed."""
+
+
+@dataclass(frozen=True)
+class Duration:
+    """An amount of training time. ``unit`` is one of :data:`UNITS`."""
+
+    value: float
+    unit: str
+
+    @classmethod
+    def parse(cls, text: str | Duration | int | float) -> Duration:
+        if isinstance(text, Duration):
+            return text
+        if isinstance(text, bool) or not isinstance(text, str):
+            raise DurationError(
+                f"{text!r} is not a duration: write a number with a unit, e.g. "
+                "'10ep', '2000ba', '50000sp', '0.3dur', '90s', '15m' or '24h'"
+            )
+        match = _PATTERN.match(text)
+        if match is None:
+            raise DurationError(
+                f"{text!r} is not a duration: write a number with a unit, one of "
+                "ep (epochs), ba (batches), sp (samples), dur (fraction of the run), "
+                "s, m, h (wall clock) — e.g. '10ep', '0.3dur', '15m'"
+            )
+        number, exponent, unit = match.groups()
+        value = float(number) * (10 ** int(exponent) if exponent else 1)
+        if unit in _WALL_CLOCK:
+            value, unit = value * _WALL_CLOCK[unit], "s"
+        if unit == "dur" and value > 1:
+            raise DurationError(f"{text!r}: a 'dur' duration is a fraction of the run, from 0 to 1")
+        return cls(value, unit)
+
+    @property
+    def is_wall_clock(self) -> bool:
+        return self.unit == "s"
+
+    def __str__(self) -> str:
+        value = int(self.value) if float(self.value).is_integer() else self.value
+        return f"{value}{self.unit}"

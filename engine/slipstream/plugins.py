@@ -1,0 +1,220 @@
+"""The plugin host: find algorithms through entry points, build them from config,
+and resolve the one order a run uses."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .algorithm import Algorithm
+from .errors import ConfigError, PluginError, did_you_mean
+
+ENTRY_POINT_GROUP = "slipstream.algorithms"
+
+
+@dataclass
+class AlgorithmInfo:
+    """One entry point of the ``slipstream.algorithms`` group."""
+
+    name: str
+    distribution: str
+    version: str
+    target: str  # "module:attr", as the entry point declares it
+    cls: type[Algorithm] | None = None
+    error: str | None = None
+
+    @property
+    def summary(self) -> str:
+        return self.cls.summary() if self.cls is not None else ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "entry_point": self.target,
+            "summary": self.summary,
+            "error": self.error,
+        }
+
+
+def discover() -> dict[str, AlgorithmInfo]:
+    """Every installed algorithm, loaded; a failed import is recorded, not raised,
+    so that one broken plugin does not hide the others."""
+    found: dict[str, AlgorithmInfo] = {}
+    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        dist = getattr(ep, "dist", None)
+        info = AlgorithmInfo(
+            name=ep.name,
+            distribution=dist.metadata["Name"] if dist is not None else "unknown",
+            version=dist.version if dist is not None else "unknown",
+            target=ep.value,
+        )
+        if ep.name in found:
+            other = found[ep.name]
+            if other.distribution == info.distribution:
+                continue  # the same distribution seen twice on sys.path
+            other.error = info.error = (
+                f"the name {ep.name!r} is registered by two distributions: "
+                f"{other.distribution} and {info.distribution}; uninstall one"
+            )
+            continue
+        try:
+            cls = ep.load()
+        except Exception as exc:  # a plugin's import may fail in any way
+            info.error = f"{type(exc).__name__}: {exc}"
+        else:
+            if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+                info.error = f"{ep.value} is not a subclass of slipstream.Algorithm"
+            elif cls.name != ep.name:
+                info.error = f"{ep.value} is named {cls.name!r} but registered as {ep.name!r}"
+            else:
+                info.cls = cls
+        found[ep.name] = info
+    return found
+
+
+def algorithm_class(name: str, installed: dict[str, AlgorithmInfo]) -> type[Algorithm]:
+    """The class registered as ``name``, or a clear error."""
+    info = installed.get(name)
+    if info is None:
+        listing = ", ".join(sorted(installed)) or "none"
+        raise PluginError(
+            f"unknown algorithm {name!r}{did_you_mean(name, installed)}; "
+            f"installed algorithms: {listing}"
+        )
+    if info.cls is None:
+        raise PluginError(
+            f"algorithm {name!r} (distribution {info.distribution} {info.version}, "
+            f"entry point {name} = {info.target!r}) failed to load: {info.error}"
+        )
+    return info.cls
+
+
+def build_config(cls: type[Algorithm], options: dict[str, Any] | None) -> Any:
+    """Validate ``options`` against ``cls.config_class`` and return the dataclass.
+
+    An unknown key, a wrong type or an out-of-range value is a ConfigError that
+    names the algorithm, the key and what is allowed.
+    """
+    options = dict(options or {})
+    name = cls.name
+    if cls.config_class is None:
+        if options:
+            raise ConfigError(f"algorithms.{name} takes no options, got {sorted(options)}")
+        return None
+    fields = {f.name: f for f in dataclasses.fields(cls.config_class)}
+    for key in options:
+        if key not in fields:
+            raise ConfigError(
+                f"algorithms.{name}: unknown key {key!r}{did_you_mean(key, fields)}; "
+                f"allowed keys: {', '.join(fields)}"
+            )
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(cls.config_class), options)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
+        field_type = getattr(fields.get(str(key)), "type", None)
+        allowed = f"; expected {_type_name(field_type)}" if field_type is not None else ""
+        raise ConfigError(f"algorithms.{name}.{key}: {_first_line(exc)}{allowed}") from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"algorithms.{name}: {exc}") from None
+
+
+def instantiate(
+    requested: dict[str, dict[str, Any] | None], installed: dict[str, AlgorithmInfo]
+) -> list[Algorithm]:
+    """Build every requested algorithm (unknown names and bad options fail here,
+    before anything runs)."""
+    algorithms = []
+    for name, options in requested.items():
+        cls = algorithm_class(name, installed)
+        algorithms.append(cls(build_config(cls, options)))
+    return algorithms
+
+
+def resolve_order(algorithms: list[Algorithm]) -> list[Algorithm]:
+    """One order for the run: declared constraints first, then the order given.
+
+    Refuses duplicates, conflicts and cycles, naming both sides.
+    """
+    by_name: dict[str, Algorithm] = {}
+    for algo in algorithms:
+        if not algo.name:
+            raise PluginError(f"{type(algo).__name__} has no name; set the class attribute `name`")
+        if algo.name in by_name:
+            raise PluginError(f"algorithm {algo.name!r} is enabled twice")
+        by_name[algo.name] = algo
+    for algo in algorithms:
+        for other in algo.conflicts_with:
+            if other in by_name:
+                raise PluginError(
+                    f"algorithm {algo.name!r} conflicts with {other!r}; enable only one of them"
+                )
+    # Edges "a before b", from both sides' declarations.
+    after: dict[str, set[str]] = {name: set() for name in by_name}
+    for algo in algorithms:
+        after[algo.name].update(n for n in algo.runs_after if n in by_name)
+        for n in algo.runs_before:
+            if n in by_name:
+                after[n].add(algo.name)
+    position = {name: i for i, name in enumerate(by_name)}
+    ordered: list[str] = []
+    pending = dict(after)
+    while pending:
+        ready = [n for n, deps in pending.items() if not deps - set(ordered)]
+        if not ready:
+            raise PluginError(f"algorithm order has a cycle: {_find_cycle(pending, ordered)}")
+        first = min(ready, key=position.__getitem__)
+        ordered.append(first)
+        del pending[first]
+    return [by_name[n] for n in ordered]
+
+
+def _find_cycle(pending: dict[str, set[str]], done: list[str]) -> str:
+    start = next(iter(pending))
+    path = [start]
+    while True:
+        nxt = sorted(pending[path[-1]] - set(done))[0]
+        if nxt in path:
+            cycle = path[path.index(nxt) :] + [nxt]
+            return " must run after ".join(cycle)
+        path.append(nxt)
+
+
+def distribution_of(algo: Algorithm, installed: dict[str, AlgorithmInfo] | None = None) -> tuple[str, str]:
+    """(distribution, version) for an algorithm instance, for checkpoints and summaries."""
+    if installed:
+        info = installed.get(algo.name)
+        if info is not None and info.cls is type(algo):
+            return info.distribution, info.version
+    top = type(algo).__module__.split(".")[0]
+    for dist_name in metadata.packages_distributions().get(top, []):
+        try:
+            return dist_name, metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown", "unknown"
+
+
+def config_as_dict(algo: Algorithm) -> dict[str, Any]:
+    cfg = algo.config
+    if cfg is None:
+        return {}
+    if dataclasses.is_dataclass(cfg):
+        return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+    return dict(cfg) if isinstance(cfg, dict) else {"value": repr(cfg)}
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -1,0 +1,338 @@
+"""Read run directories and turn them into plots and comparison tables.
+
+Pure functions over files on disk: the CLI parses arguments and calls these, so
+scripts and notebooks can use them the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+__all__ = [
+    "ResultsError",
+    "Run",
+    "build_figure",
+    "compare_runs",
+    "compare_runs_json",
+    "load_run",
+    "plot_runs",
+]
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+CONFIG_FILE = "config.yaml"
+
+
+class ResultsError(ValueError):
+    """A run directory is missing, not a run directory, or holds unreadable files."""
+
+
+@dataclass
+class Run:
+    path: Path
+    name: str
+    config: dict[str, Any] = field(default_factory=dict)
+    train: list[dict[str, Any]] = field(default_factory=list)
+    eval: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """Load one run directory written by the engine.
+
+    A run that crashed early may have metrics but no summary, or a summary but no
+    metrics, so either file is enough; the config is optional for the same reason.
+    """
+    path = Path(run_dir)
+    if not path.exists():
+        raise ResultsError(f"{path}: no such run directory")
+    if not path.is_dir():
+        raise ResultsError(f"{path}: expected a run directory, got a file")
+    metrics_path = path / METRICS_FILE
+    summary_path = path / SUMMARY_FILE
+    if not metrics_path.is_file() and not summary_path.is_file():
+        raise ResultsError(_not_a_run_message(path))
+
+    train: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    if metrics_path.is_file():
+        for record in _read_jsonl(metrics_path):
+            # Unknown kinds are skipped so newer engines can log more without
+            # breaking older readers.
+            if record.get("kind") == "train":
+                train.append(record)
+            elif record.get("kind") == "eval":
+                evals.append(record)
+
+    summary = _read_summary(summary_path) if summary_path.is_file() else None
+    config = _read_config(path / CONFIG_FILE)
+    return Run(path=path, name=path.name, config=config, train=train, eval=evals, summary=summary)
+
+
+def _not_a_run_message(path: Path) -> str:
+    message = f"{path} is not a run directory: expected {METRICS_FILE} and/or {SUMMARY_FILE} in it"
+    # Users often pass the parent of their runs; point them at the real ones.
+    children = sorted(
+        p.name
+        for p in path.iterdir()
+        if p.is_dir() and ((p / METRICS_FILE).is_file() or (p / SUMMARY_FILE).is_file())
+    )
+    if children:
+        shown = ", ".join(children[:5]) + (", ..." if len(children) > 5 else "")
+        message += f" (it contains {len(children)} run directories: {shown})"
+    return message
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ResultsError(f"{path}:{lineno}: corrupt JSON line: {e.msg}") from e
+            if not isinstance(record, dict):
+                raise ResultsError(
+                    f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}"
+                )
+            records.append(record)
+    return records
+
+
+def _read_summary(path: Path) -> dict[str, Any]:
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ResultsError(f"{path}:{e.lineno}: corrupt JSON: {e.msg}") from e
+    if not isinstance(summary, dict):
+        raise ResultsError(f"{path}: expected a JSON object, got {type(summary).__name__}")
+    return summary
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    # Imported here so that reading metrics does not need omegaconf's import cost.
+    from omegaconf import OmegaConf
+
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except Exception as e:  # omegaconf and yaml raise many unrelated types
+        raise ResultsError(f"{path}: unreadable config: {e}") from e
+    if not isinstance(config, dict):
+        raise ResultsError(f"{path}: expected a mapping at the top level")
+    return config
+
+
+# --------------------------------------------------------------------------- values
+
+
+def _number(value: Any) -> float | None:
+    """A finite float, or None for anything missing, NaN, infinite or non-numeric."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _image_height(record: dict[str, Any]) -> float | None:
+    size = record.get("image_size")
+    if isinstance(size, (list, tuple)):
+        size = size[0] if size else None
+    return _number(size)
+
+
+def _dig(mapping: dict[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(mapping, dict):
+            return None
+        mapping = mapping.get(key)
+    return mapping
+
+
+# --------------------------------------------------------------------------- plotting
+
+# (title, y label, which records, how to read y from a record, draw as steps)
+_PANELS: list[tuple[str, str, str, Callable[[dict[str, Any]], float | None], bool]] = [
+    ("train loss", "loss", "train", lambda r: _number(r.get("loss")), False),
+    (
+        "eval accuracy",
+        "accuracy (%)",
+        "eval",
+        lambda r: None if (a := _number(r.get("accuracy"))) is None else 100.0 * a,
+        False,
+    ),
+    ("throughput", "samples/s", "train", lambda r: _number(r.get("samples_per_s")), False),
+    ("learning rate", "lr", "train", lambda r: _number(r.get("lr")), False),
+    # Image size changes in jumps; steps show when a change took effect.
+    ("input image size", "height (px)", "train", _image_height, True),
+]
+
+X_LABEL = "wall-clock s"
+
+
+def build_figure(runs: Sequence[Run]) -> Figure:
+    """The results figure: one panel per metric, one line per run, against wall clock.
+
+    Built on a bare Figure rather than pyplot so no window or global state is involved.
+    """
+    if not runs:
+        raise ResultsError("no runs to plot")
+    fig = Figure(figsize=(15, 8.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    *panel_axes, legend_ax = fig.subplots(2, 3).flatten()
+    for ax, (title, ylabel, kind, getter, steps) in zip(panel_axes, _PANELS, strict=True):
+        for i, run in enumerate(runs):
+            xs, ys = [], []
+            for record in run.train if kind == "train" else run.eval:
+                x, y = _number(record.get("elapsed_s")), getter(record)
+                if x is not None and y is not None:
+                    xs.append(x)
+                    ys.append(y)
+            if xs:
+                # Fixed colour per run so a run is the same colour in every panel,
+                # even when it has no data in some of them.
+                ax.plot(
+                    xs,
+                    ys,
+                    color=f"C{i % 10}",
+                    label=run.name,
+                    marker="o" if len(xs) < 30 else None,
+                    markersize=3,
+                    drawstyle="steps-post" if steps else "default",
+                )
+        if not ax.lines:
+            ax.text(
+                0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="grey"
+            )
+        ax.set_title(title)
+        ax.set_xlabel(X_LABEL)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    # Learning rates like 4e-4 are unreadable as plain decimals.
+    panel_axes[3].ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
+
+    # The sixth cell holds the legend, so it is not squeezed over any data.
+    legend_ax.axis("off")
+    handles = [Line2D([], [], color=f"C{i % 10}", label=run.name) for i, run in enumerate(runs)]
+    legend_ax.legend(handles=handles, loc="center", title="runs", frameon=False)
+    return fig
+
+
+def plot_runs(runs: Sequence[Run], out_path: str | Path) -> Path:
+    """Write the results figure for `runs` as a PNG at `out_path` and return the path."""
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    build_figure(runs).savefig(out, format="png", dpi=100)
+    return out
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def compare_runs_json(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """One dict per run with the comparison fields; the first run is the baseline.
+
+    Accuracies are in percent; a value that cannot be known is None.
+    """
+    rows = [_row(run) for run in runs]
+    baseline = rows[0]["wall_time_s"] if rows else None
+    for row in rows:
+        wall = row["wall_time_s"]
+        row["speedup"] = baseline / wall if baseline and wall else None
+    return rows
+
+
+def _row(run: Run) -> dict[str, Any]:
+    summary = run.summary or {}
+    accuracies = [a for r in run.eval if (a := _number(r.get("accuracy"))) is not None]
+
+    # The summary is authoritative; the metrics log fills in for runs that died
+    # before writing one.
+    final = _number(summary.get("accuracy"))
+    if final is None and accuracies:
+        final = accuracies[-1]
+    best = max(accuracies) if accuracies else final
+
+    wall = _number(summary.get("wall_time_s"))
+    if wall is None:
+        elapsed = [
+            e for r in run.train + run.eval if (e := _number(r.get("elapsed_s"))) is not None
+        ]
+        wall = max(elapsed) if elapsed else None
+
+    throughput = _number(summary.get("samples_per_s"))
+    if throughput is None:
+        rates = [s for r in run.train if (s := _number(r.get("samples_per_s"))) is not None]
+        throughput = sum(rates) / len(rates) if rates else None
+
+    return {
+        "run": run.name,
+        "model": _dig(run.config, "model", "name") or summary.get("model"),
+        "algorithms": _algorithm_names(run),
+        "final_accuracy_pct": None if final is None else 100.0 * final,
+        "best_accuracy_pct": None if best is None else 100.0 * best,
+        "wall_time_s": wall,
+        "samples_per_s": throughput,
+        "status": summary.get("status"),
+        "path": str(run.path),
+    }
+
+
+def _algorithm_names(run: Run) -> list[str]:
+    # The summary has the resolved order; the config only has the requested set.
+    entries = (run.summary or {}).get("algorithms")
+    if isinstance(entries, list):
+        names = [e.get("name") if isinstance(e, dict) else e for e in entries]
+        return [str(n) for n in names if n]
+    section = run.config.get("algorithms")
+    return [str(name) for name in section] if isinstance(section, dict) else []
+
+
+_COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
+    # (header, field, formatter); numeric columns are right-aligned.
+    ("run", "run", str),
+    ("model", "model", str),
+    ("algorithms", "algorithms", lambda names: ", ".join(names) or "none"),
+    ("final acc %", "final_accuracy_pct", lambda v: f"{v:.2f}"),
+    ("best acc %", "best_accuracy_pct", lambda v: f"{v:.2f}"),
+    ("wall s", "wall_time_s", lambda v: f"{v:.1f}"),
+    ("samples/s", "samples_per_s", lambda v: f"{v:.1f}"),
+    ("speed-up", "speedup", lambda v: f"{v:.2f}x"),
+    ("status", "status", str),
+]
+_LEFT_ALIGNED = {"run", "model", "algorithms", "status"}
+
+
+def compare_runs(runs: Sequence[Run]) -> str:
+    """A plain-text table of `runs`, one row each; speed-up is relative to the first."""
+    rows = compare_runs_json(runs)
+    cells = [[header for header, _, _ in _COLUMNS]]
+    for row in rows:
+        cells.append([("-" if row[key] is None else fmt(row[key])) for _, key, fmt in _COLUMNS])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
+
+    def render(line: list[str]) -> str:
+        parts = [
+            text.ljust(w) if key in _LEFT_ALIGNED else text.rjust(w)
+            for text, w, (_, key, _) in zip(line, widths, _COLUMNS, strict=True)
+        ]
+        return "  ".join(parts).rstrip()
+
+    lines = [render(cells[0]), "  ".join("-" * w for w in widths)]
+    lines += [render(line) for line in cells[1:]]
+    return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""Build a Trainer from a resolved config: what `slipstream train` runs."""
+
+from __future__ import annotations
+
+import random
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from .config import to_dict
+from .data import DATASET_STATS, DataError, build_datasets, build_loader
+from .distributed import init_distributed, resolve_device
+from .errors import ConfigError
+from .models import build_model
+from .optim import build_optimizer
+from .plugins import AlgorithmInfo, discover, instantiate
+from .trainer import Trainer
+
+
+def default_run_dir(label: str) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    path, n = Path("runs") / f"{label}-{stamp}", 1
+    while path.exists():
+        n += 1
+        path = Path("runs") / f"{label}-{stamp}-{n}"
+    return path
+
+
+def build_trainer(
+    cfg: DictConfig,
+    *,
+    label: str = "run",
+    installed: dict[str, AlgorithmInfo] | None = None,
+    verbose: bool = True,
+) -> Trainer:
+    """Everything is validated (algorithms, data, model, optimizer) before the
+    run directory is touched, so a bad config costs nothing."""
+    installed = discover() if installed is None else installed
+    algorithms = instantiate(dict(to_dict(cfg.algorithms)), installed)
+    t, d, m, o = cfg.trainer, cfg.data, cfg.model, cfg.optimizer
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True)
+    device = resolve_device(t.device)
+    rank, world_size = init_distributed(device)
+    random.seed(t.seed)
+    torch.manual_seed(t.seed)
+
+    try:
+        train_set, val_set, num_classes = build_datasets(
+            d.name,
+            root=d.root,
+            image_size=d.image_size,
+            num_classes=d.num_classes,
+            train_size=d.train_size,
+            val_size=d.val_size,
+            download=d.download,
+            seed=t.seed,
+        )
+    except DataError as exc:
+        raise ConfigError(f"data: {exc}") from None
+    loader_options: dict[str, Any] = dict(
+        seed=t.seed,
+        rank=rank,
+        world_size=world_size,
+        num_workers=d.num_workers,
+        pin_memory=d.pin_memory and device.type == "cuda",
+        persistent_workers=d.persistent_workers,
+    )
+    train_loader = build_loader(
+        train_set, batch_size=d.batch_size, shuffle=True, drop_last=d.drop_last, **loader_options
+    )
+    eval_loader = build_loader(
+        val_set, batch_size=d.eval_batch_size or 2 * d.batch_size, shuffle=False, drop_last=False, **loader_options
+    )
+    if m.num_classes is not None and m.num_classes != num_classes:
+        raise ConfigError(f"model.num_classes={m.num_classes} but the dataset {d.name!r} has {num_classes} classes")
+    model = build_model(
+        m.name,
+        num_classes,
+        image_size=d.image_size,
+        cifar_stem=m.cifar_stem,
+        pretrained=m.pretrained,
+        **dict(to_dict(m.kwargs)),
+    )
+    optimizer = build_optimizer(
+        model,
+        o.name,
+        o.lr,
+        weight_decay=o.weight_decay,
+        momentum=o.momentum,
+        nesterov=o.nesterov,
+        betas=list(o.betas),
+        eps=o.eps,
+        impl=o.impl,
+        device=device,
+    )
+    resolved = to_dict(cfg)
+    resolved["model"]["num_classes"] = num_classes
+    return Trainer(
+        model=model,
+        optimizer=optimizer,
+        train_data=train_loader,
+        eval_data=eval_loader,
+        max_duration=t.max_duration,
+        algorithms=algorithms,
+        run_dir=t.run_dir or default_run_dir(label),
+        seed=t.seed,
+        device=device,
+        eval_interval=t.eval_interval,
+        log_interval=t.log_interval,
+        checkpoint_interval=t.checkpoint_interval,
+        checkpoint_keep=t.checkpoint_keep,
+        normalize=DATASET_STATS[d.name] if d.normalize else None,
+        progress_bar=t.progress_bar,
+        load_path=t.load_path,
+        overwrite=t.overwrite,
+        config=resolved,
+        installed=installed,
+        verbose=verbose,
+    )

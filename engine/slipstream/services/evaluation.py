@@ -1,0 +1,96 @@
+"""Top-1 evaluation at an interval and at the end of the run."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..duration import Duration
+from ..hookspecs import hookimpl
+from ..state import State
+from .batches import to_device
+
+
+class Evaluator:
+    name = "engine.evaluation"
+
+    def __init__(self, hooks: Any, interval: Duration | str | None = "1ep") -> None:
+        self.hooks = hooks
+        self.interval = Duration.parse(interval) if interval else None
+        self._next: float | None = None
+        self._last_eval_batch: int | None = None
+
+    @hookimpl
+    def fit_start(self, state: State) -> None:
+        if self.interval is not None:
+            now = state.time_in(self.interval.unit)
+            self._next = (now // self.interval.value + 1) * self.interval.value
+
+    def _due(self, state: State) -> bool:
+        if self.interval is None or self._next is None:
+            return False
+        if state.time_in(self.interval.unit) + 1e-9 >= self._next:
+            while state.time_in(self.interval.unit) + 1e-9 >= self._next:
+                self._next += self.interval.value
+            return True
+        return False
+
+    @hookimpl
+    def batch_end(self, state: State) -> None:
+        whole_epochs = self.interval is not None and self.interval.unit == "ep"
+        if not whole_epochs and not state.is_done() and self._due(state):
+            self.evaluate(state)
+
+    @hookimpl
+    def epoch_end(self, state: State) -> None:
+        if self.interval is not None and self.interval.unit == "ep" and self._due(state):
+            self.evaluate(state)
+
+    @hookimpl
+    def fit_end(self, state: State) -> None:
+        if self._last_eval_batch != state.timestamp.batch:
+            self.evaluate(state)
+
+    def evaluate(self, state: State) -> dict[str, float]:
+        if state.eval_loader is None:
+            return {}
+        started = time.perf_counter()
+        model, hooks = state.model, self.hooks
+        saved = state.batch, state.outputs, state.loss
+        was_training = model.training
+        model.eval()
+        state.training = False
+        hooks.eval_start(state=state)
+        totals = torch.zeros(3, dtype=torch.float64, device=state.device)
+        with torch.no_grad():
+            for batch in state.eval_loader:
+                state.batch = to_device(batch, state.device)
+                hooks.eval_batch_start(state=state)
+                state.outputs = hooks.forward(state=state)
+                logits = state.outputs[0] if isinstance(state.outputs, (tuple, list)) else state.outputs
+                targets = state.batch[1]
+                totals[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
+                totals[1] += (logits.argmax(dim=1) == targets).sum()
+                totals[2] += targets.numel()
+                hooks.eval_batch_end(state=state)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(totals)
+        loss_sum, correct, count = totals.tolist()
+        state.eval_metrics = {
+            "loss": loss_sum / max(count, 1),
+            "accuracy": correct / max(count, 1),
+        }
+        hooks.eval_end(state=state)
+        model.train(was_training)
+        state.training = True
+        state.batch, state.outputs, state.loss = saved
+        self._last_eval_batch = state.timestamp.batch
+        best = max(state.summary.get("best_accuracy") or 0.0, state.eval_metrics["accuracy"])
+        state.summary["best_accuracy"] = best
+        # Throughput in summary.json is training throughput: evaluation is set apart.
+        state.summary["eval_time_s"] = state.summary.get("eval_time_s", 0.0) + time.perf_counter() - started
+        return state.eval_metrics

@@ -1,0 +1,115 @@
+"""``metrics.jsonl``: one train record per logging interval, one eval record per
+evaluation. The loss is summed on the device and read once per interval, so the
+loop never waits for the device in between."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..hookspecs import hookimpl
+from ..state import State
+
+
+def _scalar(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN; tools treat null as missing
+    return value
+
+
+class MetricsLogger:
+    name = "engine.metrics"
+
+    def __init__(self, run_dir: Path | None, log_interval: int = 20, write: bool = True) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl" if run_dir is not None and write else None
+        self.log_interval = log_interval
+        self._file: Any = None
+        self._loss_sum: torch.Tensor | None = None
+        self._batches = 0
+        self._samples_at_last = 0
+        self._time_at_last = 0.0
+
+    @property
+    def last(self) -> dict[str, dict[str, Any]]:
+        return self._last
+
+    @hookimpl
+    def fit_start(self, state: State) -> None:
+        self._last: dict[str, dict[str, Any]] = {}
+        state.stash["engine.metrics"] = self._last
+        if self.path is not None:
+            self._file = self.path.open("a", buffering=1)
+        self._samples_at_last = state.timestamp.samples
+        self._time_at_last = time.perf_counter()
+
+    @hookimpl
+    def after_loss(self, state: State) -> None:
+        loss = state.loss.detach().float()
+        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        self._batches += 1
+
+    @hookimpl
+    def batch_end(self, state: State) -> None:
+        if state.timestamp.batch % self.log_interval == 0 or state.is_done():
+            self.log_train(state)
+
+    def log_train(self, state: State) -> None:
+        if self._batches == 0:
+            return
+        now = time.perf_counter()
+        loss = (self._loss_sum / self._batches).item()  # the one sync per interval
+        samples = state.timestamp.samples - self._samples_at_last
+        inputs = state.batch[0] if state.batch is not None else None
+        record = {
+            "kind": "train",
+            "step": state.timestamp.batch,
+            "epoch": state.timestamp.epoch,
+            "elapsed_s": round(state.tick(), 4),
+            "loss": loss,
+            "lr": state.optimizer.param_groups[0]["lr"],
+            "image_size": list(inputs.shape[-2:]) if isinstance(inputs, torch.Tensor) else None,
+            "samples_per_s": samples / max(now - self._time_at_last, 1e-9),
+        }
+        record.update({key: _scalar(value) for key, value in state.metrics.items()})
+        self._write({k: _scalar(v) for k, v in record.items()})
+        self._last["train"] = record
+        self._loss_sum, self._batches = None, 0
+        self._samples_at_last, self._time_at_last = state.timestamp.samples, time.perf_counter()
+
+    @hookimpl
+    def eval_end(self, state: State) -> None:
+        record = {
+            "kind": "eval",
+            "step": state.timestamp.batch,
+            "epoch": state.timestamp.epoch,
+            "elapsed_s": round(state.tick(), 4),
+            **state.eval_metrics,
+        }
+        self._write({k: _scalar(v) for k, v in record.items()})
+        self._last["eval"] = record
+        # Evaluation time is not training throughput.
+        self._time_at_last = time.perf_counter()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+
+    @hookimpl
+    def fit_end(self, state: State) -> None:
+        self.close()
+
+    @hookimpl
+    def exception(self, state: State) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

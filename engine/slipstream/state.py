@@ -1,0 +1,177 @@
+"""`State`, the one mutable object every hook receives, and its `Timestamp`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .duration import Duration
+
+
+@dataclass
+class Timestamp:
+    """Where the run is. Counters are global (summed over data-parallel ranks for
+    samples) so that a schedule reads the same at any world size."""
+
+    epoch: int = 0  # completed epochs
+    batch: int = 0  # completed training batches in the whole run
+    batch_in_epoch: int = 0  # completed training batches in the current epoch
+    samples: int = 0  # training samples seen, over all ranks
+    optimizer_steps: int = 0  # optimizer steps taken (or skipped on inf/NaN)
+    elapsed_s: float = 0.0  # wall-clock seconds of the run, resumed runs included
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, type(getattr(self, key))(value))
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module under any DDP/FSDP or torch.compile wrapper."""
+    while True:
+        if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+@dataclass
+class State:
+    """Everything a plugin may read or change.
+
+    Where the batch is at each event is documented on the event in
+    :mod:`slipstream.hookspecs`. ``batch`` is ``(inputs, targets)`` on ``device``.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    max_duration: Duration
+    train_loader: Any = None
+    eval_loader: Any = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    loss_fn: Callable[..., torch.Tensor] = field(default_factory=nn.CrossEntropyLoss)
+    schedulers: list[Any] = field(default_factory=list)
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    run_dir: Any = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    timestamp: Timestamp = field(default_factory=Timestamp)
+    batches_per_epoch: int | None = None  # global batches in one epoch, when known
+    global_batch_size: int | None = None
+
+    # The current batch and what the loop made of it.
+    batch: Any = None
+    outputs: Any = None
+    loss: torch.Tensor | None = None
+    training: bool = True
+    step_skipped: bool = False
+
+    # Precision: the autocast dtype a plugin set (None = full precision).
+    autocast_dtype: torch.dtype | None = None
+
+    # The algorithms of this run, in their resolved order.
+    algorithms: list[Any] = field(default_factory=list)
+    # Results of the last evaluation: {"loss": float, "accuracy": float}.
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    # Extra scalars for the next train record of metrics.jsonl (tensors allowed:
+    # they are read only at the logging interval, so no per-step device sync).
+    metrics: dict[str, Any] = field(default_factory=dict)
+    # Extra fields for summary.json, by plugins (compile time, skipped steps, ...).
+    summary: dict[str, Any] = field(default_factory=dict)
+    # A scratch space per plugin, keyed by the plugin's name.
+    stash: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Set by a plugin (or SIGTERM) to end the run cleanly after the current batch.
+    stop_requested: bool = False
+
+    _clock_start: float = field(default_factory=time.perf_counter, repr=False)
+    _elapsed_before: float = field(default=0.0, repr=False)
+
+    # -- model -----------------------------------------------------------------
+
+    @property
+    def unwrapped_model(self) -> nn.Module:
+        return unwrap_model(self.model)
+
+    # -- time ------------------------------------------------------------------
+
+    def start_clock(self) -> None:
+        self._elapsed_before = self.timestamp.elapsed_s
+        self._clock_start = time.perf_counter()
+
+    def tick(self) -> float:
+        """Refresh and return ``timestamp.elapsed_s`` (host clock: no device sync)."""
+        self.timestamp.elapsed_s = self._elapsed_before + time.perf_counter() - self._clock_start
+        return self.timestamp.elapsed_s
+
+    def time_in(self, unit: str) -> float:
+        """The run's current time in ``unit`` (one of ep, ba, sp, dur, s).
+
+        Epochs are fractional inside an epoch, so a schedule written in ``ep``
+        still moves every batch.
+        """
+        ts = self.timestamp
+        if unit == "ep":
+            if self.batches_per_epoch:
+                return ts.epoch + ts.batch_in_epoch / self.batches_per_epoch
+            return float(ts.epoch)
+        if unit == "ba":
+            return float(ts.batch)
+        if unit == "sp":
+            return float(ts.samples)
+        if unit == "s":
+            return ts.elapsed_s
+        if unit == "dur":
+            return self.fraction_done()
+        raise ValueError(f"unknown time unit {unit!r}; use one of ep, ba, sp, dur, s")
+
+    def fraction_done(self) -> float:
+        """How much of ``max_duration`` has passed, from 0 to 1."""
+        total = self.max_duration
+        return min(1.0, self.time_in(total.unit) / total.value) if total.value > 0 else 1.0
+
+    def fraction_of_run(self, duration: Duration | str) -> float:
+        """``duration`` expressed as a fraction of the whole run.
+
+        Works across units where the conversion is known (epochs and batches
+        through the batches per epoch); wall-clock durations convert only when the
+        run itself is bounded by wall clock.
+        """
+        d = Duration.parse(duration)
+        total = self.max_duration
+        if d.unit == "dur":
+            return d.value
+        if d.unit == total.unit:
+            return d.value / total.value
+        in_batches = self._to_batches(d)
+        total_batches = self._to_batches(total)
+        if in_batches is None or total_batches is None:
+            raise ValueError(
+                f"cannot express {d} as a fraction of a run of {total}; "
+                f"write it in 'dur' or in the run's unit ({total.unit})"
+            )
+        return in_batches / total_batches
+
+    def _to_batches(self, d: Duration) -> float | None:
+        if d.unit == "ba":
+            return d.value
+        if d.unit == "ep" and self.batches_per_epoch:
+            return d.value * self.batches_per_epoch
+        if d.unit == "sp" and self.global_batch_size:
+            return d.value / self.global_batch_size
+        return None
+
+    def is_done(self) -> bool:
+        return self.stop_requested or self.time_in(self.max_duration.unit) >= self.max_duration.value
+
+    def plugin_stash(self, name: str) -> dict[str, Any]:
+        return self.stash.setdefault(name, {})

@@ -1,0 +1,410 @@
+"""`Trainer`: a plain training loop that fires hooks.
+
+Everything a technique changes happens in a plugin; the loop only moves batches,
+calls the step hooks and advances time.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import pluggy
+import torch
+import yaml
+from torch import nn
+
+from . import hookspecs
+from .algorithm import Algorithm
+from .checkpoint import load_checkpoint, rng_state, set_rng_state
+from .distributed import init_distributed, is_distributed, resolve_device
+from .duration import Duration
+from .errors import CheckpointError, ConfigError, PluginError
+from .plugins import AlgorithmInfo, config_as_dict, discover, distribution_of, instantiate, resolve_order
+from .services import (
+    Checkpointer,
+    DefaultSteps,
+    Evaluator,
+    MetricsLogger,
+    Normalize,
+    ProgressBar,
+    SummaryWriter,
+)
+from .services.batches import to_device
+from .state import State
+from .versions import library_versions
+
+
+def _noop(**_: Any) -> None:
+    return None
+
+
+class Trainer:
+    """Train ``model`` with ``optimizer`` on ``train_data`` for ``max_duration``.
+
+    ``algorithms`` holds :class:`Algorithm` instances (or installed names, built
+    with their default config). ``train_data``/``eval_data`` are any iterables of
+    ``(inputs, targets)`` batches, usually DataLoaders; a DataLoader whose sampler
+    has ``set_epoch(epoch, start_batch)`` (as Slipstream's own) gives an order that
+    depends on the seed and epoch alone and resumes mid-epoch exactly.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_data: Iterable[Any],
+        eval_data: Iterable[Any] | None = None,
+        max_duration: str | Duration = "2ep",
+        algorithms: Sequence[Algorithm | str] = (),
+        run_dir: str | Path | None = None,
+        *,
+        seed: int = 0,
+        device: str | torch.device | None = "auto",
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        schedulers: Sequence[Any] = (),
+        eval_interval: str | Duration | None = "1ep",
+        log_interval: int = 20,
+        checkpoint_interval: str | Duration | None = "1ep",
+        checkpoint_keep: int = 2,
+        normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+        progress_bar: bool = True,
+        load_path: str | Path | None = None,
+        overwrite: bool = False,
+        config: dict[str, Any] | None = None,
+        installed: dict[str, AlgorithmInfo] | None = None,
+        verbose: bool = True,
+    ) -> None:
+        self.device = device if isinstance(device, torch.device) else resolve_device(device)
+        rank, world_size = init_distributed(self.device)
+        self.max_duration = Duration.parse(max_duration)
+        if self.max_duration.unit == "dur":
+            raise ConfigError("max_duration cannot be in 'dur'; use ep, ba, sp or a wall-clock time")
+        self.installed = installed
+        self.algorithms = resolve_order(self._as_algorithms(algorithms))
+        self.config = config or {}
+        self.verbose = verbose and rank == 0
+        self.load_path = Path(load_path) if load_path else None
+        self.run_dir = self._choose_run_dir(run_dir, overwrite)
+        self.summary: dict[str, Any] = {}
+
+        self.state = State(
+            model=model.to(self.device),
+            optimizer=optimizer,
+            max_duration=self.max_duration,
+            train_loader=train_data,
+            eval_loader=eval_data,
+            device=self.device,
+            loss_fn=loss_fn or nn.CrossEntropyLoss(),
+            schedulers=list(schedulers),
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            run_dir=self.run_dir,
+            config=self.config,
+            algorithms=list(self.algorithms),
+        )
+        self.state.batches_per_epoch = _batches_per_epoch(train_data)
+        batch_size = getattr(train_data, "batch_size", None)
+        self.state.global_batch_size = batch_size * world_size if batch_size else None
+
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self._register(
+            normalize=normalize,
+            eval_interval=eval_interval,
+            log_interval=log_interval,
+            checkpoint_interval=checkpoint_interval,
+            checkpoint_keep=checkpoint_keep,
+            progress_bar=progress_bar,
+        )
+        self._hooks = SimpleNamespace()
+
+    # -- set-up ------------------------------------------------------------------
+
+    def _as_algorithms(self, items: Sequence[Algorithm | str]) -> list[Algorithm]:
+        built: list[Algorithm] = []
+        for item in items:
+            if isinstance(item, Algorithm):
+                built.append(item)
+            elif isinstance(item, str):
+                self.installed = self.installed if self.installed is not None else discover()
+                built.extend(instantiate({item: None}, self.installed))
+            else:
+                raise PluginError(f"{item!r} is not an Algorithm instance or an algorithm name")
+        return built
+
+    def _choose_run_dir(self, run_dir: str | Path | None, overwrite: bool) -> Path:
+        if run_dir is None:
+            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+            run_dir = Path("runs") / f"run-{stamp}"
+            n = 1
+            while run_dir.exists():
+                n += 1
+                run_dir = Path("runs") / f"run-{stamp}-{n}"
+        run_dir = Path(run_dir)
+        previous = [n for n in ("metrics.jsonl", "summary.json", "checkpoints") if (run_dir / n).exists()]
+        resuming_here = self.load_path is not None and run_dir.resolve() in self.load_path.resolve().parents
+        if previous and not (overwrite or resuming_here):
+            raise ConfigError(
+                f"run directory {run_dir} already holds a run ({', '.join(previous)}); "
+                "choose another trainer.run_dir, resume it with "
+                f"trainer.load_path={run_dir / 'checkpoints' / 'latest.pt'}, or set trainer.overwrite=true"
+            )
+        return run_dir
+
+    def _register(self, *, normalize, eval_interval, log_interval, checkpoint_interval, checkpoint_keep, progress_bar) -> None:
+        # pluggy calls the last registered plugin first. Services go in first so
+        # that, at each event, algorithms act before the engine records the result.
+        write = self.state.rank == 0
+        self._defaults = DefaultSteps()
+        self.pm.register(self._defaults, name=DefaultSteps.name)
+        self.summary_writer = SummaryWriter(self.run_dir, self._build_summary, write=write)
+        self.pm.register(self.summary_writer, name=SummaryWriter.name)
+        self.checkpointer = Checkpointer(
+            self.run_dir, self._checkpoint_payload, checkpoint_interval, checkpoint_keep, write=write
+        )
+        self.pm.register(self.checkpointer, name=Checkpointer.name)
+        if progress_bar and write:
+            self.pm.register(ProgressBar(), name=ProgressBar.name)
+        self.pm.register(MetricsLogger(self.run_dir, log_interval, write=write), name=MetricsLogger.name)
+        self.evaluator = Evaluator(self.pm.hook, eval_interval)
+        self.pm.register(self.evaluator, name=Evaluator.name)
+        if normalize is not None:
+            self.pm.register(Normalize(*normalize), name=Normalize.name)
+        # The first algorithm in the resolved order is registered last, so its
+        # events fire first and its step wrappers are outermost.
+        for algo in reversed(self.algorithms):
+            self.pm.register(algo, name=algo.name)
+        self._check_step_replacements()
+
+    def _check_step_replacements(self) -> None:
+        for step in hookspecs.STEPS:
+            replacing = [
+                impl.plugin_name
+                for impl in getattr(self.pm.hook, step).get_hookimpls()
+                if not (impl.wrapper or impl.hookwrapper) and impl.plugin is not self._defaults
+            ]
+            if len(replacing) > 1:
+                raise PluginError(
+                    f"plugins {replacing[0]!r} and {replacing[1]!r} both replace the '{step}' step, "
+                    "so only one of them could run; disable one, or make one wrap the step "
+                    "with @hookimpl(wrapper=True)"
+                )
+
+    def _bind_hooks(self) -> None:
+        """Look every hook caller up once; a hook nobody implements becomes a no-op."""
+        for name in (*hookspecs.EVENTS, *hookspecs.STEPS):
+            caller = getattr(self.pm.hook, name)
+            setattr(self._hooks, name, caller if caller.get_hookimpls() else _noop)
+
+    @property
+    def hooks(self) -> SimpleNamespace:
+        return self._hooks
+
+    # -- the run -------------------------------------------------------------------
+
+    def fit(self) -> dict[str, Any]:
+        """Run to ``max_duration``; returns the summary (also in ``summary.json``)."""
+        state, pm = self.state, self.pm
+        if state.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self.config:
+                (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config, sort_keys=False))
+        if self.verbose:
+            order = " -> ".join(a.name for a in self.algorithms) or "none"
+            print(f"slipstream: algorithms in order: {order}", file=sys.stderr)
+            print(f"slipstream: run directory: {self.run_dir}", file=sys.stderr)
+        previous_handler = self._install_sigterm()
+        try:
+            pm.hook.init(state=state)
+            self._check_step_replacements()  # init may have registered helpers
+            if self.load_path is not None:
+                self._resume(self.load_path)
+            self._wrap_distributed()
+            self._bind_hooks()
+            self._session_samples = state.timestamp.samples
+            state.start_clock()
+            self._hooks.fit_start(state=state)
+            self._loop()
+            state.tick()
+            self._hooks.fit_end(state=state)
+        except BaseException as error:
+            state.tick()
+            pm.hook.exception(state=state, error=error)
+            raise
+        finally:
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
+        self.summary = self.summary_writer.summary
+        return self.summary
+
+    def _loop(self) -> None:
+        state, h = self.state, self._hooks
+        ts = state.timestamp
+        while not state.is_done():
+            h.epoch_start(state=state)
+            batches = self._epoch_batches()
+            seen_any = False
+            for batch in batches:
+                seen_any = True
+                state.batch = to_device(batch, self.device)
+                samples = len(state.batch[0]) * state.world_size
+                h.batch_start(state=state)
+                h.before_forward(state=state)
+                state.outputs = h.forward(state=state)
+                h.after_forward(state=state)
+                state.loss = h.compute_loss(state=state)
+                h.after_loss(state=state)
+                h.before_backward(state=state)
+                h.backward(state=state)
+                h.after_backward(state=state)
+                if h.should_step(state=state):
+                    h.before_optimizer_step(state=state)
+                    state.step_skipped = h.optimizer_step(state=state) is False
+                    state.optimizer.zero_grad(set_to_none=True)
+                    ts.optimizer_steps += 1
+                    h.after_optimizer_step(state=state)
+                ts.batch += 1
+                ts.batch_in_epoch += 1
+                ts.samples += samples
+                state.tick()
+                h.batch_end(state=state)
+                if state.is_done():
+                    break
+            if not seen_any and ts.batch_in_epoch == 0:
+                raise ConfigError("the training data yielded no batches; check the dataset and batch size")
+            epoch_complete = state.batches_per_epoch is None or ts.batch_in_epoch >= state.batches_per_epoch
+            if not state.is_done() or epoch_complete:
+                ts.epoch += 1
+                ts.batch_in_epoch = 0
+                h.epoch_end(state=state)
+
+    def _epoch_batches(self) -> Iterable[Any]:
+        loader, ts = self.state.train_loader, self.state.timestamp
+        skip = ts.batch_in_epoch
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            try:
+                sampler.set_epoch(ts.epoch, start_batch=skip)
+                skip = 0
+            except TypeError:  # torch's DistributedSampler: epoch only
+                sampler.set_epoch(ts.epoch)
+        iterator = iter(loader)
+        for _ in range(skip):  # resume mid-epoch on a loader that cannot start late
+            next(iterator, None)
+        return iterator
+
+    def _wrap_distributed(self) -> None:
+        if not is_distributed() or isinstance(self.state.model, nn.parallel.DistributedDataParallel):
+            return
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.state.model = nn.parallel.DistributedDataParallel(self.state.model, device_ids=ids)
+
+    def _install_sigterm(self) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def request_stop(signum: int, frame: Any) -> None:
+            # End after the current batch, with a checkpoint, rather than die mid-step.
+            self.state.stop_requested = True
+            self.state.summary["interrupted_by"] = "SIGTERM"
+
+        return signal.signal(signal.SIGTERM, request_stop)
+
+    # -- checkpoints and summary -------------------------------------------------------
+
+    def _algorithm_records(self) -> list[dict[str, Any]]:
+        records = []
+        for algo in self.algorithms:
+            dist, version = distribution_of(algo, self.installed)
+            records.append(
+                {"name": algo.name, "version": version, "distribution": dist, "config": config_as_dict(algo)}
+            )
+        return records
+
+    def _checkpoint_payload(self, state: State) -> dict[str, Any]:
+        plugins = {
+            record["name"]: {**record, "state": algo.state_dict()}
+            for algo, record in zip(self.algorithms, self._algorithm_records())
+        }
+        return {
+            "model": state.unwrapped_model.state_dict(),
+            "optimizer": state.optimizer.state_dict(),
+            "schedulers": [s.state_dict() for s in state.schedulers],
+            "plugins": plugins,
+            "timestamp": state.timestamp.state_dict(),
+            "rng": rng_state(),
+            "config": self.config,
+            "world_size": state.world_size,
+            "versions": library_versions(),
+        }
+
+    def _resume(self, path: Path) -> None:
+        state = self.state
+        payload = load_checkpoint(path, map_location=self.device)
+        try:
+            state.unwrapped_model.load_state_dict(payload["model"])
+        except RuntimeError as exc:
+            detail = " ".join(str(exc).split())[:400]
+            raise CheckpointError(f"checkpoint {path} does not fit this model: {detail}") from None
+        try:
+            state.optimizer.load_state_dict(payload["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint {path}: optimizer state does not fit: {exc}") from None
+        for scheduler, saved in zip(state.schedulers, payload.get("schedulers", [])):
+            scheduler.load_state_dict(saved)
+        saved_plugins = payload.get("plugins", {})
+        for algo in self.algorithms:
+            if algo.name in saved_plugins:
+                algo.load_state_dict(saved_plugins[algo.name]["state"])
+        missing = sorted(set(saved_plugins) - {a.name for a in self.algorithms})
+        if missing and self.verbose:
+            print(f"slipstream: checkpoint state of {', '.join(missing)} not used (not in this run)", file=sys.stderr)
+        state.timestamp.load_state_dict(payload["timestamp"])
+        set_rng_state(payload["rng"])
+        if self.verbose:
+            ts = state.timestamp
+            print(f"slipstream: resumed from {path} at epoch {ts.epoch}, batch {ts.batch}", file=sys.stderr)
+
+    def _build_summary(self, state: State, status: str) -> dict[str, Any]:
+        ts = state.timestamp
+        session_s = max(ts.elapsed_s - state._elapsed_before - state.summary.get("eval_time_s", 0.0), 1e-9)
+        session_samples = ts.samples - getattr(self, "_session_samples", 0)
+        return {
+            "status": status,
+            "accuracy": state.eval_metrics.get("accuracy"),
+            "eval_loss": state.eval_metrics.get("loss"),
+            "wall_time_s": round(ts.elapsed_s, 3),
+            "samples_per_s": session_samples / session_s,
+            "epochs": ts.epoch,
+            "batches": ts.batch,
+            "samples": ts.samples,
+            "optimizer_steps": ts.optimizer_steps,
+            "max_duration": str(state.max_duration),
+            "algorithms": self._algorithm_records(),
+            "versions": library_versions(),
+            "device": str(self.device),
+            "world_size": state.world_size,
+            "threads": torch.get_num_threads(),
+            "run_dir": str(self.run_dir),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **state.summary,
+        }
+
+
+def _batches_per_epoch(loader: Any) -> int | None:
+    sampler = getattr(loader, "sampler", None)
+    if hasattr(sampler, "batches_per_epoch"):
+        return int(sampler.batches_per_epoch)
+    try:
+        return len(loader)
+    except TypeError:
+        return None

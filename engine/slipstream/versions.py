@@ -1,0 +1,18 @@
+"""Library versions recorded in every summary and checkpoint."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+
+_LIBRARIES = ("slipstream", "torch", "torchvision", "timm", "pluggy", "omegaconf", "kornia", "numpy")
+
+
+def library_versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for name in _LIBRARIES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found

@@ -1,0 +1,1 @@
+"""Bundled YAML recipes (see `slipstream recipes`)."""

@@ -1,0 +1,98 @@
+"""Small models, data and probes shared by the tests (imported as `helpers`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import timm
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from slipstream import Algorithm, Trainer, hookimpl
+from slipstream.hookspecs import EVENTS
+
+
+def tiny_loaders(
+    n: int = 64, image_size: int = 16, batch_size: int = 16, num_classes: int = 4, seed: int = 0
+) -> tuple[DataLoader, DataLoader]:
+    """A learnable toy problem (class = brightest channel quadrant) in [0, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, 3, image_size, image_size, generator=g)
+    y = torch.arange(n) % num_classes
+    half = image_size // 2
+    for i in range(n):
+        r, c = divmod(int(y[i]) % 4, 2)
+        x[i, :, r * half : (r + 1) * half, c * half : (c + 1) * half] += 0.5
+    x = x.clamp(0, 1)
+    train = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+    val = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+    return train, val
+
+
+def tiny_model(kind: str = "resnet", num_classes: int = 4, image_size: int = 16) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "resnet":
+        return timm.create_model("test_resnet", num_classes=num_classes)
+    if kind == "vit":
+        return timm.create_model(
+            "test_vit", num_classes=num_classes, img_size=image_size, patch_size=8, dynamic_img_size=True
+        )
+    raise ValueError(kind)
+
+
+class Probe(Algorithm):
+    """Calls ``fn(state)`` at the named hooks; records every event it sees."""
+
+    name = "probe"
+
+    def __init__(self, **callbacks: Callable[[Any], None]) -> None:
+        super().__init__()
+        self.callbacks = callbacks
+        self.events: list[str] = []
+
+
+def _make_event(event: str):
+    def handler(self, state, **_):
+        self.events.append(event)
+        if event in self.callbacks:
+            self.callbacks[event](state)
+
+    handler.__name__ = event
+    return hookimpl(handler)
+
+
+for _event in EVENTS:
+    if _event == "exception":
+        continue
+    setattr(Probe, _event, _make_event(_event))
+
+
+def train(
+    tmp_path: Path,
+    algorithms: list[Algorithm] = (),  # type: ignore[assignment]
+    *,
+    model: torch.nn.Module | None = None,
+    max_duration: str = "2ep",
+    image_size: int = 16,
+    lr: float = 0.05,
+    **kwargs: Any,
+) -> Trainer:
+    """Fit a tiny model with ``algorithms`` and return the finished Trainer."""
+    train_data, eval_data = tiny_loaders(image_size=image_size)
+    model = model or tiny_model(image_size=image_size)
+    kwargs.setdefault("progress_bar", False)
+    kwargs.setdefault("verbose", False)
+    trainer = Trainer(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
+        train_data=train_data,
+        eval_data=eval_data,
+        max_duration=max_duration,
+        algorithms=list(algorithms),
+        run_dir=tmp_path / "run",
+        device="cpu",
+        **kwargs,
+    )
+    trainer.fit()
+    return trainer

@@ -1,0 +1,292 @@
+"""Tests for slipstream.results over hand-written run directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from slipstream.results import (
+    ResultsError,
+    build_figure,
+    compare_runs,
+    compare_runs_json,
+    load_run,
+    plot_runs,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_run(
+    root: Path,
+    name: str,
+    *,
+    model: str = "resnet18",
+    algorithms: tuple[str, ...] = (),
+    accuracies: tuple[float, ...] = (0.5, 0.7, 0.6),
+    wall_time_s: float = 100.0,
+    samples_per_s: float = 500.0,
+    extra_lines: tuple[str, ...] = (),
+    summary: bool = True,
+) -> Path:
+    run_dir = root / name
+    run_dir.mkdir(parents=True)
+    algo_yaml = "".join(f"  {a}:\n    enabled: true\n" for a in algorithms) or "  {}\n"
+    (run_dir / "config.yaml").write_text(
+        f"model:\n  name: {model}\n"
+        "data:\n  name: synthetic\n  image_size: 32\n"
+        "trainer:\n  max_duration: 2ep\n"
+        f"algorithms:\n{algo_yaml}"
+    )
+    lines = []
+    for step in range(1, 7):
+        lines.append(
+            json.dumps(
+                {
+                    "kind": "train",
+                    "step": step,
+                    "epoch": step // 4,
+                    "elapsed_s": step * 10.0,
+                    "loss": 2.0 / step,
+                    "lr": 0.1 * step / 6,
+                    "image_size": [16 if step < 4 else 32] * 2,
+                    "samples_per_s": samples_per_s,
+                }
+            )
+        )
+    for i, acc in enumerate(accuracies, start=1):
+        lines.append(
+            json.dumps(
+                {
+                    "kind": "eval",
+                    "step": 2 * i,
+                    "epoch": i,
+                    "elapsed_s": 20.0 * i,
+                    "loss": 1.0,
+                    "accuracy": acc,
+                }
+            )
+        )
+    lines.extend(extra_lines)
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if summary:
+        (run_dir / "summary.json").write_text(
+            json.dumps(
+                {
+                    "accuracy": accuracies[-1] if accuracies else None,
+                    "wall_time_s": wall_time_s,
+                    "samples_per_s": samples_per_s,
+                    "algorithms": [
+                        {"name": a, "version": "0.1.0", "config": {}} for a in algorithms
+                    ],
+                    "versions": {"torch": "2.x"},
+                    "device": "cpu",
+                    "world_size": 1,
+                    "run_dir": str(run_dir),
+                    "status": "completed",
+                }
+            )
+        )
+    return run_dir
+
+
+# --------------------------------------------------------------------------- load_run
+
+
+def test_load_run_reads_all_three_files(tmp_path: Path) -> None:
+    run = load_run(make_run(tmp_path, "baseline", algorithms=("channels_last",)))
+    assert run.name == "baseline"
+    assert run.path == tmp_path / "baseline"
+    assert run.config["model"]["name"] == "resnet18"
+    assert run.config["data"]["image_size"] == 32
+    assert len(run.train) == 6 and len(run.eval) == 3
+    assert run.train[0]["image_size"] == [16, 16]
+    assert run.summary is not None and run.summary["status"] == "completed"
+
+
+def test_load_run_ignores_unknown_kinds_blank_lines_and_extra_keys(tmp_path: Path) -> None:
+    extra = (
+        "",
+        json.dumps({"kind": "checkpoint", "step": 6, "path": "ckpt.pt"}),
+        json.dumps({"kind": "train", "step": 7, "elapsed_s": 70.0, "loss": 0.1, "new_key": 1}),
+        json.dumps({"step": 8}),
+    )
+    run = load_run(make_run(tmp_path, "r", extra_lines=extra))
+    assert len(run.train) == 7 and len(run.eval) == 3
+    assert run.train[-1]["new_key"] == 1
+
+
+def test_load_run_without_summary_or_config(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "crashed", summary=False)
+    (run_dir / "config.yaml").unlink()
+    run = load_run(run_dir)
+    assert run.summary is None
+    assert run.config == {}
+    assert len(run.train) == 6
+
+
+def test_not_a_run_dir_names_path_and_expected_files(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ResultsError) as info:
+        load_run(empty)
+    message = str(info.value)
+    assert str(empty) in message
+    assert "metrics.jsonl" in message and "summary.json" in message
+
+
+def test_not_a_run_dir_points_at_runs_inside_it(tmp_path: Path) -> None:
+    make_run(tmp_path / "runs", "a")
+    with pytest.raises(ResultsError, match="contains 1 run directories: a"):
+        load_run(tmp_path / "runs")
+
+
+def test_missing_dir_is_a_results_error_and_a_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no such run directory"):
+        load_run(tmp_path / "nope")
+
+
+def test_corrupt_line_names_file_and_line_number(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "r", extra_lines=('{"kind": "train", "step": 7, "lo',))
+    with pytest.raises(ResultsError) as info:
+        load_run(run_dir)
+    # 6 train + 3 eval records come first, so the broken one is line 10.
+    assert f"{run_dir / 'metrics.jsonl'}:10" in str(info.value)
+
+
+def test_non_object_line_is_rejected(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "r", extra_lines=("[1, 2]",))
+    with pytest.raises(ResultsError, match=r"metrics.jsonl:10: expected a JSON object"):
+        load_run(run_dir)
+
+
+# --------------------------------------------------------------------------- plotting
+
+
+def test_plot_runs_writes_a_png(tmp_path: Path) -> None:
+    runs = [load_run(make_run(tmp_path, "a")), load_run(make_run(tmp_path, "b"))]
+    out = plot_runs(runs, tmp_path / "plots" / "results.png")
+    assert out == tmp_path / "plots" / "results.png"
+    data = out.read_bytes()
+    assert data.startswith(PNG_MAGIC)
+    assert len(data) > 10_000
+
+
+def test_figure_has_five_panels_one_line_per_run_and_a_legend(tmp_path: Path) -> None:
+    runs = [load_run(make_run(tmp_path, "baseline")), load_run(make_run(tmp_path, "fast"))]
+    fig = build_figure(runs)
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title() for ax in panels] == [
+        "train loss",
+        "eval accuracy",
+        "throughput",
+        "learning rate",
+        "input image size",
+    ]
+    for ax in panels:
+        assert ax.get_xlabel() == "wall-clock s"
+        assert [line.get_label() for line in ax.lines] == ["baseline", "fast"]
+    legend_texts = [
+        t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()
+    ]
+    assert legend_texts == ["baseline", "fast"]
+    # Accuracy is plotted in percent, image size as the height.
+    assert list(panels[1].lines[0].get_ydata()) == pytest.approx([50.0, 70.0, 60.0])
+    assert set(panels[4].lines[0].get_ydata()) == {16, 32}
+
+
+def test_figure_skips_missing_and_nan_values(tmp_path: Path) -> None:
+    extra = (
+        '{"kind": "train", "step": 7, "elapsed_s": 70.0, "loss": NaN, "lr": null}',
+        '{"kind": "train", "step": 8, "elapsed_s": 80.0, "loss": 0.1}',
+        '{"kind": "eval", "step": 8, "elapsed_s": 80.0}',
+    )
+    fig = build_figure([load_run(make_run(tmp_path, "r", extra_lines=extra))])
+    loss, acc, _, lr, size = (ax for ax in fig.axes if ax.get_title())
+    assert len(loss.lines[0].get_xdata()) == 7  # the NaN point is dropped, step 8 kept
+    assert len(lr.lines[0].get_xdata()) == 6
+    assert len(acc.lines[0].get_xdata()) == 3
+    assert len(size.lines[0].get_xdata()) == 6
+
+
+def test_plot_without_runs_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ResultsError):
+        plot_runs([], tmp_path / "x.png")
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def two_runs(tmp_path: Path) -> list:
+    base = make_run(
+        tmp_path, "baseline", accuracies=(0.5, 0.8, 0.75), wall_time_s=120.0, samples_per_s=400.0
+    )
+    fast = make_run(
+        tmp_path,
+        "fast",
+        model="resnet50",
+        algorithms=("channels_last", "mixed_precision"),
+        accuracies=(0.6, 0.7),
+        wall_time_s=40.0,
+        samples_per_s=1234.5,
+    )
+    return [load_run(base), load_run(fast)]
+
+
+def test_compare_runs_json_fields_and_speedup(tmp_path: Path) -> None:
+    base, fast = compare_runs_json(two_runs(tmp_path))
+    assert base["run"] == "baseline" and fast["run"] == "fast"
+    assert fast["model"] == "resnet50"
+    assert fast["algorithms"] == ["channels_last", "mixed_precision"]
+    assert base["algorithms"] == []
+    assert base["final_accuracy_pct"] == pytest.approx(75.0)
+    assert base["best_accuracy_pct"] == pytest.approx(80.0)
+    assert fast["final_accuracy_pct"] == pytest.approx(70.0)
+    assert fast["wall_time_s"] == 40.0 and fast["samples_per_s"] == 1234.5
+    assert base["speedup"] == pytest.approx(1.0)
+    assert fast["speedup"] == pytest.approx(3.0)
+    json.dumps([base, fast])  # scripts can dump it as is
+
+
+def test_compare_runs_table(tmp_path: Path) -> None:
+    table = compare_runs(two_runs(tmp_path))
+    header, rule, base, fast = table.splitlines()
+    for column in (
+        "run",
+        "model",
+        "algorithms",
+        "final acc %",
+        "best acc %",
+        "wall s",
+        "samples/s",
+        "speed-up",
+    ):
+        assert column in header
+    assert base.split()[:2] == ["baseline", "resnet18"]
+    assert "75.00" in base and "80.00" in base and "120.0" in base and "1.00x" in base
+    assert "channels_last, mixed_precision" in fast
+    assert "70.00" in fast and "40.0" in fast and "1234.5" in fast and "3.00x" in fast
+    # Aligned: every right-aligned column ends at the same offset on every line.
+    end = header.index("speed-up") + len("speed-up")
+    assert base[end - 1] == "x" and fast[end - 1] == "x"
+
+
+def test_compare_falls_back_to_metrics_without_summary(tmp_path: Path) -> None:
+    base = load_run(make_run(tmp_path, "base", wall_time_s=60.0))
+    crashed = load_run(make_run(tmp_path, "crashed", summary=False, algorithms=("ema",)))
+    row = compare_runs_json([base, crashed])[1]
+    assert row["final_accuracy_pct"] == pytest.approx(60.0)  # last eval record
+    assert row["best_accuracy_pct"] == pytest.approx(70.0)
+    assert row["wall_time_s"] == 60.0  # last elapsed_s seen
+    assert row["speedup"] == pytest.approx(1.0)
+    assert row["algorithms"] == ["ema"]  # from the config
+    assert row["status"] is None
+    assert "-" in compare_runs([base, crashed]).splitlines()[-1]
+
+
+def test_compare_with_no_accuracy_shows_dashes(tmp_path: Path) -> None:
+    run = load_run(make_run(tmp_path, "noeval", accuracies=()))
+    row = compare_runs_json([run])[0]
+    assert row["final_accuracy_pct"] is None and row["best_accuracy_pct"] is None
+    assert compare_runs([run]).splitlines()[-1].split()[3:5] == ["-", "-"]
