@@ -50,8 +50,10 @@ class Evaluator:
         if self.interval is not None and self.interval.unit == "ep" and self._due(state):
             self.evaluate(state)
 
-    @hookimpl
+    @hookimpl(tryfirst=True)
     def fit_end(self, state: State) -> None:
+        # The final evaluation comes before every other fit_end, so plugins see
+        # the final metrics there.
         if self._last_eval_batch != state.timestamp.batch:
             self.evaluate(state)
 
