@@ -96,3 +96,17 @@ def train(
     )
     trainer.fit()
     return trainer
+
+
+def fake_distribution(site: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]) -> Path:
+    """Write an installed-looking distribution (dist-info with entry points) into
+    ``site``; put ``site`` on sys.path (or PYTHONPATH) to make it discoverable."""
+    site.mkdir(parents=True, exist_ok=True)
+    for module, source in modules.items():
+        (site / f"{module}.py").write_text(source)
+    info = site / f"{dist.replace('-', '_')}-0.1.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n")
+    lines = [f"{name} = {target}" for name, target in entry_points.items()]
+    (info / "entry_points.txt").write_text("[slipstream.algorithms]\n" + "\n".join(lines) + "\n")
+    return site

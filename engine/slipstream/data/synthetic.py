@@ -38,10 +38,8 @@ _SCENE, _LABELS, _NOISE = 1, 2, 3
 
 
 def _regular(n: int, radius: float = 1.0, phase: float = 0.0) -> list[tuple[float, float]]:
-    return [
-        (radius * math.cos(phase + 2 * math.pi * k / n), radius * math.sin(phase + 2 * math.pi * k / n))
-        for k in range(n)
-    ]
+    angles = [phase + 2 * math.pi * k / n for k in range(n)]
+    return [(radius * math.cos(a), radius * math.sin(a)) for a in angles]
 
 
 def _star(points: int, outer: float, inner: float) -> list[tuple[float, float]]:
@@ -104,7 +102,7 @@ def _entropy(seed: int, *words: int) -> list[int]:
 
 def _contrasting_colour(rng: np.random.Generator, against: np.ndarray) -> np.ndarray:
     """A colour far enough from `against` to be visible, but how far varies per sample."""
-    min_dist = rng.uniform(0.3, 0.55)
+    min_dist = rng.uniform(0.35, 0.6)
     colour = rng.random(3)
     for _ in range(20):
         if np.linalg.norm(colour - against) >= min_dist:
@@ -130,7 +128,7 @@ def _background(rng: np.random.Generator, canvas: _Canvas) -> tuple[np.ndarray, 
     """Render the background (H x W x 3 in [0, 1]); also return its mean colour."""
     c1 = rng.random(3).astype(np.float32)
     # The second colour stays near the first, so textures do not swamp the shape.
-    c2 = np.clip(c1 + rng.uniform(-0.35, 0.35, 3), 0, 1).astype(np.float32)
+    c2 = np.clip(c1 + rng.uniform(-0.3, 0.3, 3), 0, 1).astype(np.float32)
     kind = rng.integers(4)
     angle = rng.uniform(0, 2 * math.pi)
     along = canvas.x * math.cos(angle) + canvas.y * math.sin(angle)
@@ -174,12 +172,12 @@ def _shape_mask(rng: np.random.Generator, shape: str, count: int, size: int) -> 
     mask = Image.new("L", (size, size), 0)
     draw = ImageDraw.Draw(mask)
     if count == 1:
-        radius = rng.uniform(0.17, 0.34)
+        radius = rng.uniform(0.2, 0.36)
         centres = [rng.uniform(radius + 0.03, 1 - radius - 0.03, 2)]
         radii = [radius]
     else:
         # Two copies on opposite sides of a random axis through a jittered centre.
-        radii = list(rng.uniform(0.12, 0.18, 2))
+        radii = list(rng.uniform(0.13, 0.19, 2))
         axis = rng.uniform(0, 2 * math.pi)
         gap = radii[0] + radii[1] + rng.uniform(0.04, 0.12)
         mid = 0.5 + rng.uniform(-0.06, 0.06, 2)
@@ -195,21 +193,21 @@ def _shape_mask(rng: np.random.Generator, shape: str, count: int, size: int) -> 
 
 def _clutter(rng: np.random.Generator, draw: ImageDraw.ImageDraw, size: int) -> None:
     """A few small blobs and short strokes in random colours."""
-    for _ in range(int(rng.integers(1, 5))):
+    for _ in range(int(rng.integers(0, 4))):
         colour = tuple(int(v) for v in rng.integers(0, 256, 3))
         cx, cy = rng.random(2) * size
         if rng.random() < 0.5:
-            r = rng.uniform(0.025, 0.06) * size
+            r = rng.uniform(0.02, 0.05) * size
             draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=colour)
         else:
-            length = rng.uniform(0.1, 0.3) * size
+            length = rng.uniform(0.08, 0.22) * size
             a = rng.uniform(0, 2 * math.pi)
             dx, dy = length * math.cos(a) / 2, length * math.sin(a) / 2
-            width = max(1, round(rng.uniform(0.015, 0.03) * size))
+            width = max(1, round(rng.uniform(0.012, 0.025) * size))
             draw.line((cx - dx, cy - dy, cx + dx, cy + dy), fill=colour, width=width)
 
 
-def render_sample(
+def _render_sample(
     seed: int, split_id: int, index: int, label: int, image_size: int, canvas: _Canvas
 ) -> np.ndarray:
     """Render one sample as an H x W x 3 uint8 array.
@@ -231,14 +229,14 @@ def render_sample(
     img.paste(tuple(int(v * 255 + 0.5) for v in fg), (0, 0), mask)
     if clutter_in_front:
         _clutter(rng, draw, size)
-    noise_sigma = rng.uniform(0.0, 0.08) * 255
+    noise_sigma = rng.uniform(0.0, 0.06) * 255
     out = np.asarray(img.reduce(size // image_size), dtype=np.float32)
     noise_rng = np.random.default_rng(_entropy(seed, _NOISE, split_id, index, image_size))
     out = out + noise_rng.standard_normal(out.shape, dtype=np.float32) * noise_sigma
     return np.clip(out + 0.5, 0, 255).astype(np.uint8)
 
 
-def balanced_labels(seed: int, split_id: int, size: int, num_classes: int) -> np.ndarray:
+def _balanced_labels(seed: int, split_id: int, size: int, num_classes: int) -> np.ndarray:
     """Each consecutive block of `num_classes` indices holds every class once, shuffled.
 
     Per-block shuffling keeps the label of an index independent of the dataset size, so
@@ -287,11 +285,11 @@ class SyntheticShapes(Dataset):
         self.classes = class_names(num_classes)
 
         split_id = SPLITS.index(split)
-        labels = balanced_labels(seed, split_id, size, num_classes)
+        labels = _balanced_labels(seed, split_id, size, num_classes)
         canvas = _Canvas(image_size * _supersample(image_size))
         images = np.empty((size, image_size, image_size, 3), dtype=np.uint8)
         for i in range(size):
-            images[i] = render_sample(seed, split_id, i, int(labels[i]), image_size, canvas)
+            images[i] = _render_sample(seed, split_id, i, int(labels[i]), image_size, canvas)
         self.images = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
         self.targets = torch.from_numpy(labels)
 

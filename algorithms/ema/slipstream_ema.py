@@ -1,0 +1,247 @@
+"""Exponential moving average (EMA) of the weights, evaluated in place of the live weights.
+
+The average is kept by ``torch.optim.swa_utils.AveragedModel`` (a copy of the
+unwrapped model, made at ``init``) and updated after each optimizer step with
+:func:`ema_update`, one fused ``torch._foreach_lerp_`` per device and dtype. At
+evaluation the averaged weights are copied into the model the engine evaluates,
+and the live weights are copied back afterwards (also when the run fails), so the
+evaluator, the metrics and every other plugin see the EMA without knowing of it.
+
+Time, not step count, sets the decay: each update applies ``decay ** k`` for the
+``k`` optimizer steps since the previous one (``update_every``, skipped steps), or
+``0.5 ** (b / half_life)`` for the ``b`` batches since then when ``half_life`` is a
+duration — so under gradient accumulation of ``n`` batches the per-step decay is
+``0.5 ** (n / half_life_in_batches)``, i.e. the half-life counted in optimizer steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from slipstream import Algorithm, ConfigError, Duration, DurationError, State, hookimpl
+from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
+
+DEFAULT_DECAY = 0.999
+
+
+@torch.no_grad()
+def ema_update(ema_params: Sequence[Tensor], params: Sequence[Tensor], decay: float) -> None:
+    """In place, ``ema = decay * ema + (1 - decay) * param`` for each pair of tensors.
+
+    Floating-point tensors are interpolated with ``torch._foreach_lerp_`` (a fused
+    kernel per device and dtype); other tensors (BatchNorm's integer
+    ``num_batches_tracked``) cannot be averaged and are copied.
+    """
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"decay must be in [0, 1], got {decay}")
+    pairs = list(zip(ema_params, params, strict=True))
+    floats = [(e, p) for e, p in pairs if e.is_floating_point() or e.is_complex()]
+    others = [(e, p) for e, p in pairs if not (e.is_floating_point() or e.is_complex())]
+    if floats:
+        torch._foreach_lerp_([e for e, _ in floats], [p for _, p in floats], 1.0 - decay)
+    if others:
+        torch._foreach_copy_([e for e, _ in others], [p for _, p in others])
+
+
+def half_life_decay(half_life: float, elapsed: float = 1.0) -> float:
+    """The decay over ``elapsed`` units of time for an average that forgets half of
+    the past every ``half_life`` units: ``0.5 ** (elapsed / half_life)``."""
+    if half_life <= 0:
+        raise ValueError(f"half_life must be > 0, got {half_life}")
+    return 0.5 ** (elapsed / half_life)
+
+
+def _duration(key: str, text: str) -> Duration:
+    try:
+        return Duration.parse(text)
+    except DurationError as exc:
+        raise ValueError(f"{key}: {exc}") from None
+
+
+@dataclass
+class EMAConfig:
+    decay: Optional[float] = None  # per optimizer step, in (0, 1); 0.999 when neither is set
+    half_life: Optional[str] = None  # a duration: "50ba", "0.1ep", "0.01dur", "5000sp"
+    update_every: int = 1  # optimizer steps between updates (the decay covers them all)
+    start: Optional[str] = None  # before this time the EMA is a plain copy of the weights
+    eval_with_ema: bool = True  # evaluate with the averaged weights
+    average_buffers: bool = True  # average BatchNorm statistics too (False: copy them)
+
+    def __post_init__(self) -> None:
+        if self.decay is not None and self.half_life is not None:
+            raise ValueError(
+                f"set only one of decay and half_life, got decay={self.decay} and "
+                f"half_life={self.half_life!r}"
+            )
+        if self.decay is not None and not 0.0 < self.decay < 1.0:
+            raise ValueError(f"decay must be in (0, 1) exclusive, e.g. 0.999, got {self.decay}")
+        if self.half_life is not None:
+            half_life = _duration("half_life", self.half_life)
+            if half_life.is_wall_clock or half_life.value <= 0:
+                raise ValueError(
+                    "half_life must be a positive duration in ba, ep, sp or dur "
+                    f"(e.g. '50ba', '0.1ep', '0.01dur'), got {self.half_life!r}"
+                )
+        if self.start is not None:
+            _duration("start", self.start)
+        if self.update_every < 1:
+            raise ValueError(f"update_every must be an integer >= 1, got {self.update_every}")
+
+
+def _half_life_in_batches(state: State, text: str) -> float:
+    half_life = Duration.parse(text)
+    if half_life.unit == "ba":
+        return half_life.value
+    try:  # fraction_of_run("1ba") is 1 / (batches in the run)
+        return state.fraction_of_run(half_life) / state.fraction_of_run(Duration(1.0, "ba"))
+    except ValueError as exc:
+        raise ConfigError(
+            f"algorithms.ema.half_life: cannot convert {text!r} to batches in this run ({exc}); "
+            "write it in ba"
+        ) from None
+
+
+class EMA(Algorithm):
+    """Exponential moving average of the weights; evaluation uses the averaged weights."""
+
+    name = "ema"
+    config_class = EMAConfig
+    runs_after = ("locality_ffn", "channels_last")  # average the final parameters
+    runs_before = ("torch_compile",)  # copy the plain module, not the compiled one
+
+    def __init__(self, config: EMAConfig | None = None) -> None:
+        super().__init__(config)
+        cfg = self.config
+        # Decay per optimizer step, or a half-life in batches (converted at init).
+        self.decay: float | None = None
+        if cfg.half_life is None:
+            self.decay = cfg.decay if cfg.decay is not None else DEFAULT_DECAY
+        self.half_life_batches: float | None = None
+        self.last_decay: float | None = None  # the decay applied by the latest update
+        self.averaged: AveragedModel | None = None
+        self._start = Duration.parse(cfg.start) if cfg.start else None
+        self._last_step = 0  # optimizer steps at the latest update
+        self._last_batch = 0  # batches at the latest update
+        self._backup: list[Tensor] | None = None  # live weights while the EMA is swapped in
+        self._pending: dict[str, Any] | None = None  # state loaded before init
+
+    @property
+    def ema_model(self) -> nn.Module:
+        """The module holding the averaged weights (same keys as the model)."""
+        if self.averaged is None:
+            raise RuntimeError("the EMA exists once the run's init event has fired")
+        return self.averaged.module
+
+    def _average(self, ema: list[Tensor], live: list[Tensor], n_averaged: Any) -> None:
+        ema_update(ema, live, self.last_decay)
+
+    @hookimpl
+    def init(self, state: State) -> None:
+        if self.config.half_life is not None:
+            self.half_life_batches = _half_life_in_batches(state, self.config.half_life)
+        self.averaged = AveragedModel(
+            state.unwrapped_model,
+            multi_avg_fn=self._average,
+            use_buffers=self.config.average_buffers,
+        )
+        self.averaged.requires_grad_(False)
+        if self._pending is not None:
+            self.load_state_dict(self._pending)
+
+    @hookimpl
+    def fit_start(self, state: State) -> None:
+        if int(self.averaged.n_averaged) == 0:  # nothing averaged yet, or resumed without EMA
+            self._copy_into(_tensors(self.ema_model, True), _tensors(state.unwrapped_model, True))
+
+    @hookimpl
+    def after_optimizer_step(self, state: State) -> None:
+        if state.step_skipped:  # weights unchanged; the next update covers this step's time
+            return
+        ts = state.timestamp
+        batches = ts.batch + 1  # this batch is counted only after the step
+        start = self._start
+        if start is not None and state.time_in(start.unit) < start.value:
+            self.averaged.n_averaged.zero_()  # AveragedModel copies when nothing is averaged
+        elif ts.optimizer_steps - self._last_step < self.config.update_every:
+            return
+        if int(self.averaged.n_averaged) == 0:  # a CPU counter: no device sync
+            self.last_decay = 0.0  # a copy
+        elif self.half_life_batches is not None:
+            self.last_decay = half_life_decay(self.half_life_batches, batches - self._last_batch)
+        else:
+            self.last_decay = self.decay ** (ts.optimizer_steps - self._last_step)
+        self.averaged.update_parameters(state.unwrapped_model)
+        self._last_step, self._last_batch = ts.optimizer_steps, batches
+
+    # -- evaluation with the averaged weights ----------------------------------------
+
+    @hookimpl
+    def eval_start(self, state: State) -> None:
+        if not self.config.eval_with_ema or self._backup is not None:
+            return
+        buffers = self.config.average_buffers  # copied buffers: the live ones are fresher
+        live = _tensors(state.unwrapped_model, buffers)
+        self._backup = [t.detach().clone() for t in live]
+        self._copy_into(live, _tensors(self.ema_model, buffers))
+        state.summary["ema"] = True
+        if self.last_decay is not None:
+            state.summary["ema_decay"] = self.last_decay
+
+    @hookimpl
+    def eval_end(self, state: State) -> None:
+        self._restore(state)
+
+    @hookimpl
+    def exception(self, state: State, error: BaseException) -> None:
+        self._restore(state)  # a failed evaluation must not leave the EMA in the model
+
+    @hookimpl
+    def fit_end(self, state: State) -> None:
+        self._restore(state)
+
+    def _restore(self, state: State) -> None:
+        if self._backup is None:
+            return
+        self._copy_into(_tensors(state.unwrapped_model, self.config.average_buffers), self._backup)
+        self._backup = None
+
+    @staticmethod
+    @torch.no_grad()
+    def _copy_into(dst: list[Tensor], src: list[Tensor]) -> None:
+        torch._foreach_copy_(dst, src)
+
+    # -- checkpoints -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.averaged is None:
+            return {}
+        return {
+            "weights": self.ema_model.state_dict(),
+            "n_averaged": int(self.averaged.n_averaged),
+            "last_step": self._last_step,
+            "last_batch": self._last_batch,
+            "last_decay": self.last_decay,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if self.averaged is None:  # loaded before init: apply once the copy exists
+            self._pending = state
+            return
+        self._pending = None
+        self.ema_model.load_state_dict(state["weights"])
+        self.averaged.n_averaged.fill_(int(state["n_averaged"]))
+        self._last_step = int(state["last_step"])
+        self._last_batch = int(state["last_batch"])
+        self.last_decay = state.get("last_decay")
+
+
+def _tensors(model: nn.Module, with_buffers: bool) -> list[Tensor]:
+    """Parameters (and buffers), detached, in AveragedModel's order."""
+    tensors = [p.detach() for p in model.parameters()]
+    return tensors + [b.detach() for b in model.buffers()] if with_buffers else tensors

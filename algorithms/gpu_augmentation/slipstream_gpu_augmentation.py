@@ -1,0 +1,327 @@
+"""Batch augmentation on the run's device with kornia.
+
+A per-sample transform in the DataLoader runs image by image on the host; kornia
+augments the whole batch at once where the batch already is (the GPU, when there
+is one), with random parameters drawn per sample. The plugin augments training
+batches at ``batch_start``, after an image-size curriculum has shrunk them (fewer
+pixels to warp) and before channels-last changes their memory format.
+
+Reproducibility: kornia 0.9 draws its parameters from ``torch.distributions``,
+which use the global RNG and take no ``torch.Generator``. So each batch is
+augmented inside ``torch.random.fork_rng`` with the global generators seeded from
+``(run seed, rank, batch index)``: the same seed gives the same augmented batches,
+the global RNG stream (dropout, the sampler) is left exactly as it was, and a
+resumed run continues the same stream with no state to checkpoint.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import kornia.augmentation as K
+import kornia.augmentation.auto as KA
+import torch
+from slipstream import Algorithm, State, hookimpl
+from torch import nn
+
+PRESETS = ("light", "trivial", "randaugment", "custom")
+
+# Classes that are not augmentations of an image in [0, 1]: the engine normalises
+# after every batch_start plugin, and mixing augmentations would need the labels.
+_NOT_ALLOWED = {
+    "Normalize": "the engine normalises the batch itself, after every batch_start plugin",
+    "Denormalize": "inputs here are in [0, 1], not normalised",
+    **{
+        name: "it mixes images and needs the labels, which this plugin does not change"
+        for name in dir(K)
+        if isinstance(getattr(K, name), type)
+        and issubclass(getattr(K, name), K.MixAugmentationBaseV2)
+    },
+}
+
+
+def _augmentation_classes() -> dict[str, type[nn.Module]]:
+    """Every kornia 2D augmentation and auto-augment policy a recipe may name."""
+    found: dict[str, type[nn.Module]] = {}
+    for name in dir(K):
+        obj = getattr(K, name)
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, K.AugmentationBase2D)
+            and not name.endswith("Base2D")
+            and name not in _NOT_ALLOWED
+        ):
+            found[name] = obj
+    for name in ("AutoAugment", "RandAugment", "TrivialAugment"):
+        found[name] = getattr(KA, name)
+    return found
+
+
+AUGMENTATIONS = _augmentation_classes()
+
+
+@dataclass
+class GpuAugmentationConfig:
+    preset: str = "light"  # light | trivial | randaugment | custom
+    # RandomResizedCrop area range (fraction of the image) for light/trivial/randaugment.
+    crop_scale: list[float] = field(default_factory=lambda: [0.35, 1.0])
+    flip_p: float = 0.5  # RandomHorizontalFlip probability for light/trivial/randaugment
+    randaugment_n: int = 2  # operations per batch
+    randaugment_m: int = 10  # magnitude, 1..29 (kornia's scale)
+    # preset=custom: [{name: RandomHorizontalFlip, p: 0.5}, {name: ColorJitter, brightness: 0.2}]
+    custom: list[dict[str, Any]] = field(default_factory=list)
+    # Intra-op threads while augmenting a batch that is on the CPU (0 = torch's setting).
+    # kornia runs many small ops: on a busy CPU, threads spin-waiting for each other
+    # made them 7-10x slower at 2 threads than at 1 (see the card).
+    cpu_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        scale = list(self.crop_scale)
+        if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
+            raise ValueError(f"crop_scale must be [min, max] with 0 < min <= max <= 1, got {scale}")
+        if not 0 <= self.flip_p <= 1:
+            raise ValueError(f"flip_p must be in [0, 1], got {self.flip_p}")
+        if not 1 <= self.randaugment_m <= 29:
+            raise ValueError(
+                f"randaugment_m must be in 1..29 (kornia's scale), got {self.randaugment_m}"
+            )
+        if self.cpu_threads < 0:
+            raise ValueError(
+                f"cpu_threads must be >= 0 (0 = torch's setting), got {self.cpu_threads}"
+            )
+        if self.randaugment_n < 1:
+            raise ValueError(f"randaugment_n must be at least 1, got {self.randaugment_n}")
+        if self.preset == "custom" and not self.custom:
+            raise ValueError(
+                "preset is 'custom' but custom is empty; list augmentations, e.g. "
+                "custom: [{name: RandomHorizontalFlip, p: 0.5}]"
+            )
+        if self.custom and self.preset != "custom":
+            raise ValueError(
+                f"custom is set but preset is {self.preset!r}; set preset: custom to use it"
+            )
+        # Build (and, for custom entries, run once) now, so a bad recipe fails
+        # before the run rather than at its first batch.
+        for index, spec in enumerate(_specs(self)):
+            where = f"custom[{index}]" if self.preset == "custom" else f"preset {self.preset!r}"
+            _check_spec(where, spec, probe=self.preset == "custom")
+
+
+def _specs(config: GpuAugmentationConfig) -> list[dict[str, Any]]:
+    """The pipeline as a list of ``{name, **kwargs}``, presets included."""
+    if config.preset == "custom":
+        return [dict(spec) for spec in config.custom]
+    # Resample mode warps the whole batch in one call; slice mode loops over samples.
+    crop = {
+        "name": "RandomResizedCrop",
+        "scale": tuple(config.crop_scale),
+        "cropping_mode": "resample",
+    }
+    base = [crop, {"name": "RandomHorizontalFlip", "p": config.flip_p}]
+    if config.preset == "trivial":
+        return [*base, {"name": "TrivialAugment"}]
+    if config.preset == "randaugment":
+        return [
+            *base,
+            {"name": "RandAugment", "n": config.randaugment_n, "m": config.randaugment_m},
+        ]
+    return base
+
+
+def _as_tuples(value: Any) -> Any:
+    # YAML gives lists; kornia's range arguments expect tuples.
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _close(word: str, choices: list[str]) -> list[str]:
+    lowered = {c.lower(): c for c in choices}
+    matches = difflib.get_close_matches(word.lower(), list(lowered), n=3, cutoff=0.5)
+    return [lowered[m] for m in matches]
+
+
+def _check_spec(where: str, spec: Any, probe: bool) -> None:
+    """Raise ValueError naming the entry, the augmentation and the bad argument."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ValueError(
+            f"{where} must be a mapping with a 'name', "
+            f"e.g. {{name: RandomHorizontalFlip, p: 0.5}}, got {spec!r}"
+        )
+    name = spec["name"]
+    if name in _NOT_ALLOWED:
+        raise ValueError(f"{where}: {name} is not supported here: {_NOT_ALLOWED[name]}")
+    if name not in AUGMENTATIONS:
+        close = _close(name, list(AUGMENTATIONS))
+        hint = (
+            f"close matches: {', '.join(close)}"
+            if close
+            else f"available: {', '.join(sorted(AUGMENTATIONS))}"
+        )
+        raise ValueError(f"{where}: unknown kornia augmentation {name!r}; {hint}")
+    cls = AUGMENTATIONS[name]
+    kwargs = {k: v for k, v in spec.items() if k != "name"}
+    params = inspect.signature(cls).parameters
+    for arg in kwargs:
+        if arg not in params:
+            close = _close(arg, list(params))
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"{where} {name}: unknown argument {arg!r}{hint}; "
+                f"{name} accepts {', '.join(params)}"
+            )
+    missing = [
+        p
+        for p, v in params.items()
+        if v.default is inspect.Parameter.empty
+        and p != "size"
+        and p not in kwargs
+        and v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD)
+    ]
+    if missing:
+        raise ValueError(
+            f"{where} {name}: missing required argument {', '.join(map(repr, missing))}"
+        )
+    try:
+        stage = _stage(cls, kwargs)
+        if probe:  # some arguments are only checked when the augmentation runs
+            size = _as_tuples(kwargs.get("size", 16))
+            h, w = size if isinstance(size, tuple) else (size, size)
+            with _seeded(0, torch.device("cpu")):
+                stage(torch.rand(2, 3, h, w))
+    except Exception as exc:
+        raise ValueError(
+            f"{where} {name}: bad arguments {kwargs}: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+class _FollowInputSize(nn.Module):
+    """A kornia augmentation with a ``size`` argument (a crop), built for each input
+    size so that its output keeps the input's shape whatever a curriculum does."""
+
+    def __init__(self, cls: type[nn.Module], kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.cls, self.kwargs = cls, kwargs
+        self.by_size = nn.ModuleDict()
+        self.cls(size=(16, 16), **kwargs)  # fail now on bad arguments, not at the first batch
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        h, w = inputs.shape[-2:]
+        key = f"{h}x{w}"
+        if key not in self.by_size:
+            self.by_size[key] = self.cls(size=(h, w), **self.kwargs)
+        return self.by_size[key](inputs)
+
+    def extra_repr(self) -> str:
+        return f"{self.cls.__name__}(size=<input size>, {self.kwargs})"
+
+
+def _stage(cls: type[nn.Module], kwargs: dict[str, Any]) -> nn.Module:
+    kwargs = {k: _as_tuples(v) for k, v in kwargs.items()}
+    if "size" in inspect.signature(cls).parameters and "size" not in kwargs:
+        return _FollowInputSize(cls, kwargs)
+    return cls(**kwargs)
+
+
+def build_augmentation(config: GpuAugmentationConfig | None = None) -> nn.Module:
+    """The kornia pipeline for ``config`` (defaults: the ``light`` preset).
+
+    Takes and returns float batches ``(N, C, H, W)`` in [0, 1] of any size;
+    crops resize back to the input's size. The module stays on the CPU: kornia
+    samples its parameters there and moves them to the batch's device.
+    """
+    config = config or GpuAugmentationConfig()
+    stages = []
+    for spec in _specs(config):
+        kwargs = {k: v for k, v in spec.items() if k != "name"}
+        stages.append(_stage(AUGMENTATIONS[spec["name"]], kwargs))
+    return nn.Sequential(*stages)
+
+
+@contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Run with the global RNGs (CPU, and the batch's CUDA device) seeded to ``seed``,
+    restoring them afterwards."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        torch.random.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
+@contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """Run with ``torch.set_num_threads(threads)`` (0: unchanged), restoring it after."""
+    previous = torch.get_num_threads()
+    if threads <= 0 or threads == previous:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def batch_seed(seed: int, rank: int, batch: int) -> int:
+    """A 64-bit seed for one batch of one rank, stable across processes and runs."""
+    digest = hashlib.blake2b(f"{seed}/{rank}/{batch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def augment_batch(
+    inputs: torch.Tensor, pipeline: nn.Module, seed: int | None = None
+) -> torch.Tensor:
+    """Augment a float batch in [0, 1] with ``pipeline`` (from :func:`build_augmentation`).
+
+    Parameters are random per sample. With ``seed``, the result depends on the
+    seed alone and the global RNG is left untouched (kornia takes no
+    ``torch.Generator``, so this forks the global one); without it, the global
+    RNG is used and advanced. The result has the input's shape and dtype and
+    stays in [0, 1]; ``inputs`` is not modified.
+    """
+    if seed is None:
+        out = pipeline(inputs)
+    else:
+        with _seeded(seed, inputs.device):
+            out = pipeline(inputs)
+    if out.shape != inputs.shape:
+        raise ValueError(
+            f"the augmentation changed the batch shape from {tuple(inputs.shape)} "
+            f"to {tuple(out.shape)}; "
+            "leave out `size` so crops follow the input size"
+        )
+    # Some intensity operations (noise, brightness) may leave [0, 1]. Out of place:
+    # an augmentation that skips a batch may hand back the input itself.
+    return out.to(inputs.dtype).clamp(0, 1)
+
+
+class GpuAugmentation(Algorithm):
+    """Augment training batches on the device with kornia (crop, flip, TrivialAugment, ...)."""
+
+    name = "gpu_augmentation"
+    config_class = GpuAugmentationConfig
+    # Augment the already-resized (smaller, cheaper) batch; channels-last comes after.
+    runs_after = ("image_size_curriculum",)
+    runs_before = ("channels_last",)
+
+    def __init__(self, config: GpuAugmentationConfig | None = None) -> None:
+        super().__init__(config)
+        self.pipeline = build_augmentation(self.config)
+
+    @hookimpl
+    def batch_start(self, state: State) -> None:
+        # Training batches only: evaluation fires eval_batch_start, which this plugin leaves alone.
+        inputs, *rest = state.batch
+        seed = batch_seed(state.seed, state.rank, state.timestamp.batch)
+        threads = self.config.cpu_threads if inputs.device.type == "cpu" else 0
+        with intra_op_threads(threads):
+            state.batch = (augment_batch(inputs, self.pipeline, seed), *rest)

@@ -1,0 +1,263 @@
+"""Image-size curriculum (progressive resizing): train on small images first and grow
+them to the dataset's own size, so that early epochs cost a fraction of the pixels.
+
+Two schedule shapes:
+
+* ``linear`` (default, Composer's progressive resizing): ``initial_scale`` of the full
+  size for the first ``delay`` of the run, full size for the last ``finetune``, linear
+  in between. Relative to the run's length, so it suits any run.
+* ``stepped`` (Borealis' "ViT in 24 hours" recipe): ``initial_size`` px, plus
+  ``increment`` px every ``every`` (``5ep``, ``1000ba``, ``0.1dur``), up to full size.
+
+Evaluation batches are never touched: the model is always evaluated at full size.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from slipstream import Algorithm, ConfigError, Duration, State, hookimpl
+from timm.layers import Format
+from torch import nn
+
+SCHEDULES = ("linear", "stepped")
+MODES = ("bilinear", "nearest", "random_crop")
+
+
+@dataclass
+class ImageSizeCurriculumConfig:
+    schedule: str = "linear"
+    # linear: fractions of the full size and of the run
+    initial_scale: float = 0.5
+    delay: float = 0.4
+    finetune: float = 0.2
+    # stepped: pixels and a duration
+    initial_size: int = 32
+    increment: int = 32
+    every: str = "5ep"
+    # sizes are rounded to a multiple of this; 0 or None = the model's patch size (1 for CNNs)
+    size_multiple: Optional[int] = None
+    mode: str = "bilinear"
+    antialias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
+            )
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not 0 < self.initial_scale <= 1:
+            raise ValueError(f"initial_scale must be in (0, 1], got {self.initial_scale}")
+        for key in ("delay", "finetune"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(
+                    f"{key} must be a fraction of the run in [0, 1], got {getattr(self, key)}"
+                )
+        if self.delay + self.finetune > 1:
+            raise ValueError(
+                f"delay + finetune must be at most 1 (they are fractions of one run), "
+                f"got {self.delay} + {self.finetune}"
+            )
+        for key in ("initial_size", "increment"):
+            if getattr(self, key) < 1:
+                raise ValueError(
+                    f"{key} must be a positive number of pixels, got {getattr(self, key)}"
+                )
+        try:
+            every = Duration.parse(self.every)
+        except ValueError as exc:
+            raise ValueError(f"every: {exc}") from None
+        if every.value <= 0:
+            raise ValueError(f"every must be a positive duration, got {self.every!r}")
+        if self.size_multiple is not None and self.size_multiple < 0:
+            raise ValueError(
+                f"size_multiple must be >= 0 (0 or null = automatic), got {self.size_multiple}"
+            )
+
+    @property
+    def time_unit(self) -> str:
+        """The unit :func:`size_at` reads time in: ``dur`` for linear, ``every``'s for stepped."""
+        return "dur" if self.schedule == "linear" else Duration.parse(self.every).unit
+
+
+# ---------------------------------------------------------------------------
+# Functional API
+# ---------------------------------------------------------------------------
+
+
+def _linear_scale(fraction: float, initial_scale: float, delay: float, finetune: float) -> float:
+    ramp = 1.0 - delay - finetune
+    if fraction < delay:
+        return initial_scale
+    if ramp <= 0 or fraction >= delay + ramp:
+        return 1.0
+    return initial_scale + (1.0 - initial_scale) * (fraction - delay) / ramp
+
+
+def size_at(config: ImageSizeCurriculumConfig, t: float, full_size: int, multiple: int = 1) -> int:
+    """The side length (px) to train at, at time ``t`` of the run.
+
+    ``t`` is in ``config.time_unit``: the fraction of the run done (0 to 1) for the
+    ``linear`` schedule; the time passed in ``every``'s unit for ``stepped`` (epochs
+    when ``every='5ep'``). The size is rounded to the nearest ``multiple`` (a ViT's
+    patch size), is never below one ``multiple`` and never above ``full_size``.
+
+    >>> cfg = ImageSizeCurriculumConfig(schedule="stepped", initial_size=32, every="5ep")
+    >>> [size_at(cfg, epoch, 224, 16) for epoch in (0, 4.9, 5, 12, 30, 40)]
+    [32, 32, 64, 96, 224, 224]
+    """
+    if config.schedule == "linear":
+        target = full_size * _linear_scale(t, config.initial_scale, config.delay, config.finetune)
+    else:
+        periods = math.floor(t / Duration.parse(config.every).value + 1e-9)
+        target = config.initial_size + config.increment * periods
+    if target >= full_size:
+        return full_size
+    rounded = multiple * max(1, int(target / multiple + 0.5))
+    return min(rounded, full_size)
+
+
+def resize_batch(
+    inputs: torch.Tensor,
+    size: int | tuple[int, int],
+    mode: str = "bilinear",
+    generator: torch.Generator | None = None,
+    antialias: bool = True,
+) -> torch.Tensor:
+    """Resize a batch of images ``(N, C, H, W)`` to ``size`` on its own device.
+
+    ``bilinear`` (antialiased by default, so a downscale averages rather than
+    aliases), ``nearest``, or ``random_crop``: one crop of ``size`` at a random offset
+    for the whole batch (drawn on the host from ``generator``: no device sync).
+    Returns ``inputs`` itself when it already has that size.
+    """
+    h, w = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    height, width = inputs.shape[-2:]
+    if (h, w) == (height, width):
+        return inputs
+    if mode == "random_crop":
+        if h > height or w > width:
+            raise ValueError(f"cannot crop {h}x{w} out of {height}x{width} images")
+        top = int(torch.randint(0, height - h + 1, (1,), generator=generator))
+        left = int(torch.randint(0, width - w + 1, (1,), generator=generator))
+        return inputs[..., top : top + h, left : left + w]
+    if mode == "nearest":
+        # torch's "nearest" samples off-centre (a known legacy quirk); "nearest-exact" does not.
+        return F.interpolate(inputs, size=(h, w), mode="nearest-exact")
+    if mode == "bilinear":
+        return F.interpolate(
+            inputs, size=(h, w), mode="bilinear", antialias=antialias, align_corners=False
+        )
+    raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+
+
+def allow_any_input_size(model: nn.Module) -> tuple[int, int] | None:
+    """Let a timm ViT take any input size, and return its patch size (None for a
+    model without ``patch_embed``, such as a CNN).
+
+    A timm VisionTransformer built without ``dynamic_img_size`` is switched to it in
+    place: the patch embedding keeps the token grid (NHWC) and stops asserting the
+    input size, and the position embedding is resampled on the fly. No parameter is
+    replaced, so the optimizer, EMA copies and checkpoints keep their shapes. At the
+    model's own size the outputs are unchanged.
+    """
+    embed = getattr(model, "patch_embed", None)
+    if embed is None or not hasattr(embed, "patch_size"):
+        return None
+    if getattr(model, "dynamic_img_size", None) is False:
+        model.dynamic_img_size = True
+        embed.strict_img_size = False
+        embed.flatten = False
+        embed.output_fmt = Format.NHWC
+    elif not hasattr(model, "dynamic_img_size") and getattr(embed, "strict_img_size", False):
+        raise ConfigError(
+            f"image_size_curriculum: {type(model).__name__} only takes its own input size "
+            "(patch_embed.strict_img_size) and has no dynamic_img_size switch; use a model "
+            "that accepts any input size (a timm VisionTransformer, a CNN)"
+        )
+    patch = embed.patch_size
+    return (patch, patch) if isinstance(patch, int) else (int(patch[0]), int(patch[1]))
+
+
+# ---------------------------------------------------------------------------
+# The algorithm
+# ---------------------------------------------------------------------------
+
+
+class ImageSizeCurriculum(Algorithm):
+    """Train on small images first and grow them to full size (progressive resizing)."""
+
+    name = "image_size_curriculum"
+    config_class = ImageSizeCurriculumConfig
+    # Augment and change memory format after the resize; compile the model after the
+    # ViT is switched to dynamic sizes.
+    runs_before = ("gpu_augmentation", "channels_last", "torch_compile")
+
+    def __init__(self, config: ImageSizeCurriculumConfig | None = None) -> None:
+        super().__init__(config)
+        self.multiple = (1, 1)
+        self.size: tuple[int, int] | None = None  # the size of the last training batch
+        self._checked_schedule = False
+
+    @hookimpl
+    def init(self, state: State) -> None:
+        model = state.unwrapped_model
+        patch = allow_any_input_size(model)
+        chosen = self.config.size_multiple
+        pads = getattr(getattr(model, "patch_embed", None), "dynamic_img_pad", False)
+        if chosen and patch is not None and not pads and (chosen % patch[0] or chosen % patch[1]):
+            raise ConfigError(
+                f"algorithms.image_size_curriculum.size_multiple={chosen} is not a multiple of the "
+                f"model's patch size {patch[0]}; use 0 (automatic) or a multiple of it"
+            )
+        self.multiple = (chosen, chosen) if chosen else (patch or (1, 1))
+
+    @hookimpl
+    def batch_start(self, state: State) -> None:
+        inputs, *rest = state.batch
+        full = tuple(inputs.shape[-2:])
+        if not self._checked_schedule:
+            self._checked_schedule = True
+            self._warn_if_full_size_is_late(state, max(full))
+        t = state.time_in(self.config.time_unit)
+        pairs = zip(full, self.multiple, strict=True)
+        size = tuple(size_at(self.config, t, side, multiple) for side, multiple in pairs)
+        self.size = size
+        if size == full:
+            return
+        generator = None
+        if self.config.mode == "random_crop":
+            step_seed = hash((state.seed, state.rank, state.timestamp.batch)) & (2**63 - 1)
+            generator = torch.Generator().manual_seed(step_seed)
+        resized = resize_batch(inputs, size, self.config.mode, generator, self.config.antialias)
+        state.batch = (resized, *rest)
+
+    def _warn_if_full_size_is_late(self, state: State, full: int) -> None:
+        cfg = self.config
+        if cfg.schedule != "stepped" or cfg.initial_size >= full:
+            return
+        try:
+            period = state.fraction_of_run(cfg.every)
+        except ValueError:
+            return  # not comparable with the run's length (e.g. wall clock in an epoch run)
+        steps = math.ceil((full - cfg.initial_size) / cfg.increment)
+        if steps * period >= 1 - 1e-9:  # full size from the last batch on is too late
+            warnings.warn(
+                f"image_size_curriculum: the stepped schedule reaches the full {full} px after "
+                f"{steps} x {cfg.every}, at or past the end of this {state.max_duration} run; "
+                "the run trains only at smaller sizes than evaluation uses",
+                stacklevel=2,
+            )
+
+    def state_dict(self) -> dict[str, list[int]]:
+        return {"size": list(self.size)} if self.size is not None else {}
+
+    def load_state_dict(self, state: dict[str, list[int]]) -> None:
+        if "size" in state:
+            self.size = (int(state["size"][0]), int(state["size"][1]))

@@ -1,0 +1,71 @@
+"""channels_last: step time with and without, through the real Trainer, in one process.
+
+ResNet-18 at 32 px (and ResNet-50 at 96 px unless --quick), plus a ViT to show where
+it does nothing. With --bf16, also bf16 autocast alone and bf16 + channels_last, with
+the mixed_precision plugin found through the entry points (skipped if not installed).
+
+    .venv/bin/python benchmarks/bench_channels_last.py            # ~3 min idle
+    .venv/bin/python benchmarks/bench_channels_last.py --bf16     # ~2x longer
+    .venv/bin/python benchmarks/bench_channels_last.py --quick
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from common import compare, parser, random_loader, report
+from slipstream import Algorithm
+from slipstream.models import build_model
+from slipstream.plugins import build_config, discover
+from slipstream_channels_last import ChannelsLast
+
+
+def mixed_precision_bf16() -> Callable[[], Algorithm] | None:
+    """A builder of the mixed_precision plugin in bf16, or None if it is not installed."""
+    info = discover().get("mixed_precision")
+    if info is None or info.cls is None:
+        print("(mixed_precision is not installed: bf16 variants skipped)")
+        return None
+    return lambda: info.cls(build_config(info.cls, {"dtype": "bf16"}))
+
+
+def bench(model_name: str, size: int, batch: int, args: Any, bf16, **model_kwargs) -> None:
+    def variant(*algorithms: Callable[[], Algorithm]):
+        def build():
+            torch.manual_seed(0)
+            model = build_model(model_name, 10, image_size=size, **model_kwargs)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            return model, optimizer, [make() for make in algorithms]
+
+        return build
+
+    variants = {"fp32": variant(), "channels_last": variant(ChannelsLast)}
+    if bf16 is not None:
+        variants["bf16"] = variant(bf16)
+        variants["bf16 + channels_last"] = variant(bf16, ChannelsLast)
+    steps = args.steps if size <= 64 else max(3, args.steps // 3)
+    data = random_loader(batch * (args.warmup + steps), size, batch)
+    results = compare(variants, data, steps=steps, warmup=args.warmup, repeats=args.repeats)
+    report(f"{model_name} at {size} px, batch {batch}, {args.threads} threads", results)
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--bf16", action="store_true", help="add bf16 and bf16 + channels_last variants")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    bf16 = mixed_precision_bf16() if args.bf16 else None
+    if args.quick:
+        args.steps, args.warmup, args.repeats = 3, 1, 1
+        bench("resnet18", 32, 32, args, bf16)
+        bench("vit_tiny_patch16_224", 32, 32, args, bf16, patch_size=4)
+        return
+    bench("resnet18", 32, 64, args, bf16)
+    bench("resnet50", 96, 32, args, bf16)
+    bench("vit_tiny_patch16_224", 96, 64, args, bf16)
+
+
+if __name__ == "__main__":
+    main()

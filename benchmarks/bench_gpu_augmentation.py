@@ -1,0 +1,202 @@
+"""gpu_augmentation: kornia batch augmentation vs torchvision v2 per-sample transforms.
+
+(a) Augmentation alone, images/s: the ``light`` preset (RandomResizedCrop scale
+    (0.35, 1) + horizontal flip) on whole batches with kornia, against the same
+    transforms applied per sample by torchvision.transforms.v2 inside a DataLoader
+    (num_workers 0 and 1), and a loader with no transform for reference.
+(b) End to end, ResNet-18 at 32 px through the real Trainer: no augmentation vs v2
+    per-sample augmentation in the loader vs the gpu_augmentation plugin.
+
+    .venv/bin/python benchmarks/bench_gpu_augmentation.py            # ~3 min
+    .venv/bin/python benchmarks/bench_gpu_augmentation.py --quick    # seconds
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import timm
+import torch
+from common import compare, parser, random_loader, report
+from slipstream import Algorithm, hookimpl
+from slipstream_gpu_augmentation import (
+    GpuAugmentation,
+    GpuAugmentationConfig,
+    augment_batch,
+    build_augmentation,
+    intra_op_threads,
+)
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2
+
+
+class Augmented(Dataset):
+    """Images in [0, 1] transformed one by one, as a classic input pipeline does."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform) -> None:
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int):
+        return self.transform(self.images[i]), self.labels[i]
+
+
+def light_v2(size: int) -> v2.Compose:
+    # The plugin's `light` preset, per sample.
+    return v2.Compose([v2.RandomResizedCrop(size, scale=(0.35, 1.0)), v2.RandomHorizontalFlip()])
+
+
+def loader(images, labels, batch_size: int, transform=None, workers: int = 0) -> DataLoader:
+    pairs = list(zip(images, labels, strict=True))
+    data = Augmented(images, labels, transform) if transform else pairs
+    return DataLoader(
+        data, batch_size=batch_size, shuffle=False, drop_last=True, num_workers=workers
+    )
+
+
+def timed(run) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) for ``run()``. On a shared,
+    oversubscribed machine the CPU time is the steadier measure of cost."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    run()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def aug_throughput(args) -> None:
+    size, bs, batches = 32, args.batch_size, args.aug_batches
+    data = random_loader(bs * (batches + 1), size, bs).dataset.tensors
+    pipeline = build_augmentation()
+
+    def kornia_batches() -> None:
+        with intra_op_threads(args.aug_threads):  # as the plugin does on the CPU
+            for i, x in enumerate(data[0].split(bs)[1:]):
+                augment_batch(x, pipeline, seed=i)
+
+    # name -> DataLoader to drain, or None for kornia on ready batches.
+    variants: dict[str, DataLoader | None] = {"kornia batch (light)": None}
+    for workers in args.workers:
+        variants[f"v2 per-sample, workers={workers}"] = loader(*data, bs, light_v2(size), workers)
+    variants["loader, no transform"] = loader(*data, bs)
+    walls: dict[str, list[float]] = {name: [] for name in variants}
+    cpus: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.repeats):  # interleaved, so machine noise hits all alike
+        for name, dl in variants.items():
+            if dl is None:
+                augment_batch(data[0][:bs], pipeline, seed=0)  # kornia's first-call set-up
+                run = kornia_batches
+            else:  # start workers and fill the first batch outside the timing
+                it = iter(dl)
+                next(it)
+
+                def run(it=it) -> None:
+                    for _ in it:
+                        pass
+
+            wall, cpu = timed(run)
+            walls[name].append(bs * batches / wall)
+            cpus[name].append(bs * batches / max(cpu, 1e-9))
+    base_wall = statistics.median(walls["kornia batch (light)"])
+    base_cpu = statistics.median(cpus["kornia batch (light)"])
+    print(
+        f"(a) augmentation alone, {bs}x3x{size}x{size} batches, {torch.get_num_threads()} threads"
+    )
+    print(f"{'variant':<32} {'images/s':>10} {'vs kornia':>10} {'img/CPU-s':>10} {'vs kornia':>10}")
+    for name in variants:
+        wall, cpu = statistics.median(walls[name]), statistics.median(cpus[name])
+        # A worker's CPU time is not this process's: only wall time means something there.
+        in_process = variants[name] is None or variants[name].num_workers == 0
+        cpu_text = f"{cpu:>10.0f} {cpu / base_cpu:>9.2f}x" if in_process else f"{'n/a':>10}"
+        print(f"{name:<32} {wall:>10.0f} {wall / base_wall:>9.2f}x {cpu_text}")
+
+
+class CpuTimer(Algorithm):
+    """Process CPU time at the end of every batch."""
+
+    name = "bench_cpu_timer"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    @hookimpl
+    def batch_end(self, state) -> None:
+        self.times.append(time.process_time())
+
+
+def end_to_end(args) -> None:
+    size, bs = 32, args.batch_size
+    n = bs * (args.warmup + args.steps)
+    images, labels = random_loader(n, size, bs).dataset.tensors
+    v2_name = f"v2 per-sample in loader (w={args.e2e_workers})"
+    timers: dict[str, list[CpuTimer]] = {}
+    cfg = GpuAugmentationConfig(cpu_threads=args.aug_threads)
+
+    def build(name, algorithms):
+        def variant():
+            torch.manual_seed(0)
+            model = timm.create_model(args.model, num_classes=10)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            timer = CpuTimer()
+            timers.setdefault(name, []).append(timer)
+            return model, opt, [*algorithms(), timer]
+
+        return variant
+
+    variants = {
+        "no augmentation": build("no augmentation", list),
+        v2_name: build(v2_name, list),
+        "gpu_augmentation (light)": build(
+            "gpu_augmentation (light)", lambda: [GpuAugmentation(cfg)]
+        ),
+    }
+    loaders = {
+        "no augmentation": loader(images, labels, bs),
+        v2_name: loader(images, labels, bs, light_v2(size), args.e2e_workers),
+        "gpu_augmentation (light)": loader(images, labels, bs),
+    }
+    results = compare(
+        variants, loaders.__getitem__, steps=args.steps, warmup=args.warmup, repeats=args.repeats
+    )
+    report(
+        f"(b) {args.model} at {size} px, batch {bs}, {torch.get_num_threads()} threads, "
+        "training step time (speed-up vs no augmentation)",
+        results,
+    )
+    w = args.warmup
+    cpu = {
+        name: statistics.median((t.times[-1] - t.times[w - 1]) / (len(t.times) - w) for t in ts)
+        for name, ts in timers.items()
+    }
+    base = cpu["no augmentation"]
+    print("CPU time per step (this process; steadier than wall time on a shared machine)")
+    for name, c in cpu.items():
+        print(f"{name:<28} {1000 * c:>9.1f} {base / c:>8.2f}x")
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--aug-batches", type=int, default=20, help="batches per timing in (a)")
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 1], help="loader workers in (a)")
+    p.add_argument("--e2e-workers", type=int, default=0, help="loader workers for v2 in (b)")
+    p.add_argument(
+        "--aug-threads", type=int, default=1, help="the plugin's cpu_threads (0 = --threads)"
+    )
+    p.add_argument("--skip-e2e", action="store_true", help="only (a)")
+    p.set_defaults(steps=5, warmup=1, repeats=3)  # ResNet-18 steps take seconds on a shared CPU
+    args = p.parse_args()
+    if args.quick:
+        args.batch_size, args.aug_batches, args.steps, args.warmup, args.repeats = 16, 3, 2, 1, 1
+        args.model, args.workers = "test_resnet", [0]
+    torch.set_num_threads(args.threads)
+    aug_throughput(args)
+    if not args.skip_e2e:
+        end_to_end(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""mixed_precision: bf16 autocast speed-up in plain PyTorch and through the engine.
+
+For each model, four variants run interleaved in one process (A B C D A B C D ...):
+a plain PyTorch loop in fp32 and in bf16 autocast (the reference speed-up), and the
+Slipstream Trainer without and with the mixed_precision plugin. The plugin should
+deliver the plain loop's speed-up (within 5 %). ResNets are timm's, with the ImageNet
+stem (7x7 stride-2 conv + max-pool), not a CIFAR stem.
+
+    .venv/bin/python benchmarks/bench_mixed_precision.py            # ~3 min idle
+    .venv/bin/python benchmarks/bench_mixed_precision.py --resnet50 # + ResNet-50 at 96 px
+    .venv/bin/python benchmarks/bench_mixed_precision.py --quick
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from importlib import metadata
+from typing import Any
+
+import torch
+from common import Result, parser, random_loader, report, run_variant
+from slipstream.models import build_model
+from slipstream_mixed_precision import MixedPrecision, MixedPrecisionConfig
+from torch.utils.data import DataLoader
+
+# The engine looks up the distribution of every algorithm instance for each summary
+# through packages_distributions(), which rescans all installed files (seconds on a
+# busy machine, outside the timed steps but inside the wall time): compute it once.
+metadata.packages_distributions = functools.cache(metadata.packages_distributions)
+
+
+def build(model_name: str, size: int, dtype: str | None, **model_kwargs: Any):
+    def make():
+        torch.manual_seed(0)
+        model = build_model(model_name, 10, image_size=size, **model_kwargs)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        algos = [MixedPrecision(MixedPrecisionConfig(dtype=dtype))] if dtype else []
+        return model, optimizer, algos
+
+    return make
+
+
+def plain_loop(make, loader: DataLoader, steps: int, warmup: int, bf16: bool) -> float:
+    """Seconds per step of the loop one would write by hand (same model, data, loss,
+    optimizer and zero_grad as the engine's defaults)."""
+    model, optimizer, _ = make()
+    model.train()
+    loss_fn = torch.nn.CrossEntropyLoss()
+    times = []
+    batches = iter(loader)
+    for _ in range(warmup + steps):
+        inputs, targets = next(batches)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(model(inputs), targets)
+        loss.float().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter())
+    return (times[-1] - times[warmup - 1]) / steps
+
+
+def bench(model_name: str, size: int, batch: int, args: Any, **model_kwargs: Any) -> float:
+    steps, warmup = args.steps, args.warmup
+    loader = random_loader(batch * (warmup + steps), size, batch)
+    fp32 = build(model_name, size, None, **model_kwargs)
+    bf16 = build(model_name, size, "bf16", **model_kwargs)
+    runs = {
+        "plain fp32": lambda: plain_loop(fp32, loader, steps, warmup, bf16=False),
+        "plain bf16": lambda: plain_loop(bf16, loader, steps, warmup, bf16=True),
+        "engine fp32": lambda: run_variant(fp32, loader, steps, warmup)[0],
+        "engine + mixed_precision": lambda: run_variant(bf16, loader, steps, warmup)[0],
+    }
+    results = {name: Result(name) for name in runs}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            results[name].step_s.append(run())
+    title = f"{model_name} at {size} px, batch {batch}, {args.threads} threads"
+    names = list(runs)
+    report(f"{title}: plain PyTorch", {n: results[n] for n in names[:2]})
+    report(f"{title}: engine", {n: results[n] for n in names[2:]})
+    step = {name: r.median_step_s for name, r in results.items()}
+    plain = step["plain fp32"] / step["plain bf16"]
+    engine = step["engine fp32"] / step["engine + mixed_precision"]
+    overhead = step["engine fp32"] / step["plain fp32"]
+    print(
+        f"bf16 speed-up: plain {plain:.2f}x, engine {engine:.2f}x "
+        f"(engine/plain {engine / plain:.3f}; engine fp32 step / plain fp32 step {overhead:.3f})\n",
+        flush=True,
+    )
+    return engine / plain
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--resnet50", action="store_true", help="also ResNet-50 at 96 px (~+2 min)")
+    p.set_defaults(steps=8, warmup=2, repeats=3)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.steps, args.warmup, args.repeats = 3, 1, 1
+        bench("resnet18", 32, 32, args)
+        bench("vit_tiny_patch16_224", 64, 4, args)
+        return
+    bench("resnet18", 32, 128, args)
+    bench("vit_tiny_patch16_224", 224, 8, args)
+    if args.resnet50:
+        bench("resnet50", 96, 32, args)
+
+
+if __name__ == "__main__":
+    main()

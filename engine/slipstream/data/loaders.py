@@ -1,0 +1,70 @@
+"""build_loader: a DataLoader whose batches depend only on (seed, epoch, start_batch)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .sampler import EpochSampler
+
+
+def seed_worker(worker_id: int) -> None:
+    """Seed Python's and NumPy's RNGs in a worker from the seed torch gave it.
+
+    torch seeds each worker with `base_seed + worker_id`, and `base_seed` is drawn from
+    the loader's generator, which `EpochSampler.set_epoch` reseeds from (seed, epoch).
+    Seeding the other libraries here (recent torch does too) keeps any random transform
+    reproducible whatever the torch version.
+    """
+    seed = torch.initial_seed() % (1 << 32)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def build_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    seed: int = 0,
+    shuffle: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = False,
+    drop_last: bool = True,
+) -> DataLoader:
+    """A DataLoader over `dataset` driven by an `EpochSampler` (`loader.sampler`).
+
+    Call `loader.sampler.set_epoch(epoch, start_batch)` before iterating each epoch.
+    For evaluation pass `shuffle=False, drop_last=False`.
+
+    With `persistent_workers`, workers (and their RNG) are created once, at the first
+    epoch iterated; the built-in datasets draw no randomness per item, so their batches
+    are still bit-exact on resume.
+    """
+    sampler = EpochSampler(
+        len(dataset),
+        batch_size=batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        rank=rank,
+        world_size=world_size,
+        drop_last=drop_last,
+    )
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        # The sampler already drops (or splits) the last partial global batch.
+        drop_last=False,
+        num_workers=num_workers,
+        # Pinning without CUDA only produces a warning per iterator.
+        pin_memory=pin_memory and torch.cuda.is_available(),
+        persistent_workers=persistent_workers and num_workers > 0,
+        worker_init_fn=seed_worker if num_workers > 0 else None,
+        generator=sampler.generator,
+    )

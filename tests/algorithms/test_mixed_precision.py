@@ -1,0 +1,294 @@
+"""mixed_precision: autocast around forward and loss, GradScaler for fp16."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections import OrderedDict
+from importlib import metadata
+from itertools import pairwise
+
+import pytest
+import torch
+from helpers import Probe, tiny_loaders, tiny_model, train
+from slipstream import ConfigError, Trainer
+from slipstream.plugins import build_config, discover
+from slipstream_mixed_precision import (
+    MixedPrecision,
+    MixedPrecisionConfig,
+    autocast,
+    resolve_dtype,
+)
+
+
+def small_model() -> torch.nn.Module:
+    """Much faster than timm's test_resnet under fp16 autocast, which this CPU emulates."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(OrderedDict(
+        conv=torch.nn.Conv2d(3, 8, 3, stride=2, padding=1),
+        bn=torch.nn.BatchNorm2d(8),
+        act=torch.nn.ReLU(),
+        pool=torch.nn.AdaptiveAvgPool2d(2),  # keeps the quadrants the toy task is about
+        flat=torch.nn.Flatten(),
+        fc=torch.nn.Linear(32, 4),
+    ))
+
+
+def fp16(**kwargs) -> MixedPrecision:
+    return MixedPrecision(MixedPrecisionConfig(dtype="fp16", **kwargs))
+
+
+@pytest.fixture(autouse=True)
+def _cached_distribution_lookup(monkeypatch):
+    # The engine names the distribution of every algorithm instance (checkpoints,
+    # summary) through importlib.metadata.packages_distributions(), which rescans
+    # every installed file on each call: seconds per run on this machine. Cache it.
+    monkeypatch.setattr(metadata, "packages_distributions", _packages_distributions)
+
+
+@functools.cache
+def _packages_distributions():
+    return _scan_distributions()
+
+
+_scan_distributions = metadata.packages_distributions
+
+
+@pytest.fixture(autouse=True)
+def _quiet_cpu_fp16_warning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="mixed_precision: fp16 on CPU")
+        yield
+
+
+def dtype_probe():
+    """A Probe recording outputs, conv activation and loss dtypes, train and eval."""
+    seen: dict[str, set] = {"outputs": set(), "conv": set(), "loss": set(), "eval": set()}
+
+    def add_conv_hook(state):
+        conv = next(m for m in state.model.modules() if isinstance(m, torch.nn.Conv2d))
+        conv.register_forward_hook(lambda m, i, out: seen["conv"].add(out.dtype))
+
+    probe = Probe(
+        init=add_conv_hook,
+        after_forward=lambda s: seen["outputs"].add(s.outputs.dtype),
+        after_loss=lambda s: seen["loss"].add(s.loss.dtype),
+        eval_batch_end=lambda s: seen["eval"].add(s.outputs.dtype),
+    )
+    return probe, seen
+
+
+def test_autocast_bf16_inside_forward_and_eval_fp32_loss(tmp_path):
+    probe, seen = dtype_probe()
+    trainer = train(tmp_path, [MixedPrecision(), probe], max_duration="2ba")
+    assert seen["outputs"] == {torch.bfloat16}
+    assert seen["conv"] == {torch.bfloat16}
+    assert seen["loss"] == {torch.float32}  # backward gets an fp32 loss
+    assert seen["eval"] == {torch.bfloat16}  # evaluation runs under autocast too
+    assert trainer.state.autocast_dtype == torch.bfloat16
+    assert trainer.summary["autocast_dtype"] == "bf16"
+    # Weights stay fp32 (autocast casts copies).
+    assert all(p.dtype == torch.float32 for p in trainer.state.model.parameters())
+
+
+def test_full_precision_without_plugin(tmp_path):
+    probe, seen = dtype_probe()
+    trainer = train(tmp_path, [probe], max_duration="2ba")
+    assert seen["outputs"] == seen["conv"] == seen["loss"] == seen["eval"] == {torch.float32}
+    assert trainer.state.autocast_dtype is None
+
+
+def _epoch_losses(algos, tmp_path, epochs=4):
+    losses: list[float] = []
+    probe = Probe(after_loss=lambda s: losses.append(s.loss.item()))
+    train(tmp_path, [*algos, probe], model=small_model(), max_duration=f"{epochs}ep",
+          eval_interval=None)
+    per_epoch = len(losses) // epochs
+    return [sum(losses[i : i + per_epoch]) / per_epoch for i in range(0, len(losses), per_epoch)]
+
+
+def test_bf16_training_decreases_loss(tmp_path):
+    losses = _epoch_losses([MixedPrecision()], tmp_path)
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError) as err:
+        build_config(MixedPrecision, {"dtype": "fp8"})
+    msg = str(err.value)
+    assert "dtype" in msg and "fp8" in msg
+    assert all(choice in msg for choice in ("auto", "bf16", "fp16"))
+    with pytest.raises(ConfigError, match="unknown key"):
+        build_config(MixedPrecision, {"precision": "bf16"})
+    assert build_config(MixedPrecision, {}).dtype == "auto"
+
+
+def test_resolve_dtype_and_autocast_function():
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype("fp16", "cpu") == torch.float16
+    with pytest.raises(ValueError, match="dtype must be one of auto, bf16, fp16"):
+        resolve_dtype("fp32", "cpu")
+    lin = torch.nn.Linear(4, 2)
+    with autocast("cpu", torch.bfloat16):
+        assert lin(torch.randn(3, 4)).dtype == torch.bfloat16
+    assert lin(torch.randn(3, 4)).dtype == torch.float32
+
+
+def test_discovered_through_entry_point():
+    info = discover()["mixed_precision"]
+    assert info.cls is MixedPrecision
+    assert info.distribution == "slipstream-mixed_precision"
+
+
+def test_bf16_state_saved_and_restored(tmp_path):
+    first = train(tmp_path / "a", [MixedPrecision()], model=small_model(), max_duration="1ep",
+                  eval_interval=None)
+    ckpt = first.run_dir / "checkpoints" / "latest.pt"
+    saved = torch.load(ckpt, weights_only=True)["plugins"]["mixed_precision"]
+    assert saved["state"] == {"dtype": "bf16", "skipped_steps": 0}
+    assert saved["config"] == {"dtype": "auto"}
+    resumed = train(tmp_path / "a", [MixedPrecision()], model=small_model(), max_duration="2ep",
+                    load_path=ckpt, eval_interval=None)
+    assert resumed.state.timestamp.epoch == 2
+    assert resumed.summary["autocast_dtype"] == "bf16"
+
+
+# -- fp16 with a GradScaler: torch.amp.GradScaler("cpu") works, so the scaler path is
+# tested on CPU with fp16 autocast on CPU (slow on this CPU, fine for a tiny model).
+
+
+class AfterMixedPrecision(Probe):
+    runs_after = ("mixed_precision",)
+
+
+OVERFLOW_AT = {1, 4}  # batches whose gradients we make overflow, as fp16 would
+
+
+def overflow(state) -> None:
+    if state.timestamp.batch in OVERFLOW_AT:
+        state.model.fc.weight.grad[0, 0] = float("inf")
+
+
+def test_fp16_scaler_unscales_before_later_plugins_and_counts_skips(tmp_path):
+    mp = fp16()
+    record: list[dict] = []
+    cur: dict = {}
+
+    def grad_norm(state):
+        grads = [p.grad for p in state.model.parameters() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads).item()
+
+    def after_backward(state):
+        cur.update(scaled=grad_norm(state), scale=mp.scaler.get_scale())
+        overflow(state)
+
+    probe = AfterMixedPrecision(
+        after_forward=lambda s: cur.update(dtype=s.outputs.dtype),
+        after_backward=after_backward,
+        before_optimizer_step=lambda s: cur.update(
+            seen=grad_norm(s), w=s.model.fc.weight.detach().clone()
+        ),
+        after_optimizer_step=lambda s: record.append(
+            {**cur, "skipped": s.step_skipped, "new_scale": mp.scaler.get_scale(),
+             "changed": not torch.equal(cur["w"], s.model.fc.weight)}
+        ),
+    )
+    trainer = train(tmp_path, [probe, mp], model=small_model(), max_duration="2ep",
+                    eval_interval=None, checkpoint_interval=None)
+    assert [a.name for a in trainer.algorithms] == ["mixed_precision", "probe"]
+    assert trainer.state.autocast_dtype == torch.float16
+    assert all(r["dtype"] == torch.float16 for r in record)
+    assert [i for i, r in enumerate(record) if r["skipped"]] == sorted(OVERFLOW_AT)
+    for r in record:
+        # A skipped step halves the scale and leaves the weights alone.
+        assert r["new_scale"] == (r["scale"] / 2 if r["skipped"] else r["scale"])
+        assert r["changed"] == (not r["skipped"])
+        if not r["skipped"]:
+            # Later plugins see unscaled (true) gradients.
+            assert r["seen"] == pytest.approx(r["scaled"] / r["scale"], rel=1e-3)
+            assert r["scaled"] > 100 * r["seen"]
+    assert trainer.summary["skipped_steps"] == len(OVERFLOW_AT)
+    assert trainer.state.metrics["skipped_steps"] == len(OVERFLOW_AT)
+    assert trainer.summary["loss_scale"] == 2.0**16 / 2 ** len(OVERFLOW_AT)
+
+
+def test_fp16_fused_optimizer_detects_skips(tmp_path):
+    model = small_model()
+    train_data, _ = tiny_loaders()
+    skipped: list[bool] = []
+    mp = fp16()
+    scales: list[float] = []
+    probe = Probe(
+        after_backward=overflow,
+        before_optimizer_step=lambda s: scales.append(mp.scaler.get_scale()),
+        after_optimizer_step=lambda s: skipped.append(s.step_skipped),
+    )
+    trainer = Trainer(
+        model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3, fused=True),
+        train_data=train_data, max_duration="2ep", algorithms=[mp, probe],
+        run_dir=tmp_path / "run", device="cpu", progress_bar=False, verbose=False,
+        eval_interval=None, checkpoint_interval=None,
+    )
+    trainer.fit()
+    scales.append(mp.scaler.get_scale())
+    assert skipped == [after < before for before, after in pairwise(scales)]
+    assert [i for i, sk in enumerate(skipped) if sk] == sorted(OVERFLOW_AT)
+    assert trainer.summary["skipped_steps"] == sum(skipped)
+
+
+def test_fp16_scaler_state_saved_and_restored(tmp_path):
+    first = train(tmp_path / "a", [fp16(), Probe(after_backward=overflow)], model=small_model(),
+                  max_duration="1ep", eval_interval=None)  # overflows at batch 1 of 0..3
+    ckpt = first.run_dir / "checkpoints" / "latest.pt"
+    state = torch.load(ckpt, weights_only=True)["plugins"]["mixed_precision"]["state"]
+    assert state["dtype"] == "fp16"
+    assert state["skipped_steps"] == first.summary["skipped_steps"] == 1
+    assert state["scaler"]["scale"] == first.summary["loss_scale"] == 2.0**15
+    assert state["scaler"]["_growth_tracker"] == 2  # finite steps since the last skip
+
+    # The resumed run starts from the saved scale (not the initial 2**16) and count.
+    resumed_mp = fp16()
+    scales: list[float] = []
+    probe = Probe(after_backward=overflow,
+                  before_optimizer_step=lambda s: scales.append(resumed_mp.scaler.get_scale()))
+    resumed = train(tmp_path / "a", [resumed_mp, probe], model=small_model(), max_duration="2ep",
+                    load_path=ckpt, eval_interval=None)
+    assert scales[0] == 2.0**15
+    assert resumed.summary["skipped_steps"] == 2  # batch 4 overflowed too
+    assert resumed.summary["loss_scale"] == 2.0**14
+
+
+def test_fp16_state_loaded_before_init_is_applied_at_init(tmp_path):
+    mp = fp16()
+    mp.load_state_dict({"dtype": "fp16", "skipped_steps": 3, "scaler": {
+        "scale": 128.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+        "growth_interval": 2000, "_growth_tracker": 0}})
+    probe = Probe(init=lambda s: None)
+    train(tmp_path, [mp, probe], model=small_model(), max_duration="1ba", eval_interval=None)
+    assert mp.skipped_steps >= 3
+    assert mp.scaler.get_scale() in (64.0, 128.0)  # one step: kept, or backed off once
+
+
+def test_fp16_training_decreases_loss(tmp_path):
+    losses = _epoch_losses([fp16()], tmp_path, epochs=5)
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU on this machine)")
+def test_cuda_auto_dtype_and_fp16_scaler(tmp_path):
+    expected = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    assert resolve_dtype("auto", "cuda") == expected
+    model = tiny_model()
+    train_data, eval_data = tiny_loaders()
+    mp = fp16()
+    seen: set = set()
+    trainer = Trainer(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+        train_data=train_data, eval_data=eval_data, max_duration="2ep",
+        algorithms=[mp, Probe(after_forward=lambda s: seen.add(s.outputs.dtype))],
+        run_dir=tmp_path / "run", device="cuda", progress_bar=False, verbose=False,
+    )
+    trainer.fit()
+    assert seen == {torch.float16}
+    assert mp.scaler is not None and mp.scaler.get_scale() > 0

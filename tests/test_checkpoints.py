@@ -1,0 +1,142 @@
+"""Checkpoints: contents, atomic writes, clear errors, resume, SIGTERM."""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from helpers import Probe, tiny_loaders, tiny_model, train
+
+from slipstream import Algorithm, CheckpointError, ConfigError, Trainer, hookimpl, load_checkpoint
+
+
+class Counter(Algorithm):
+    """A plugin with state, to check it is saved and restored."""
+
+    name = "counter"
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    @hookimpl
+    def batch_end(self, state):
+        self.count += 1
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def test_checkpoint_contents_load_with_weights_only(tmp_path):
+    trainer = train(tmp_path, [Counter()], max_duration="2ep", checkpoint_interval="1ep")
+    folder = trainer.run_dir / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["ep1-ba4.pt", "ep2-ba8.pt", "latest.pt"]
+    payload = torch.load(folder / "latest.pt", weights_only=True)
+    assert set(payload) >= {"model", "optimizer", "plugins", "timestamp", "config", "rng"}
+    assert payload["model"].keys() == trainer.state.unwrapped_model.state_dict().keys()
+    assert payload["plugins"]["counter"]["state"] == {"count": 8}
+    assert payload["plugins"]["counter"]["config"] == {}
+    assert "version" in payload["plugins"]["counter"]
+    assert payload["timestamp"]["batch"] == 8 and payload["timestamp"]["epoch"] == 2
+
+
+def test_checkpoint_interval_in_batches_keeps_the_newest(tmp_path):
+    trainer = train(tmp_path, [], max_duration="6ba", checkpoint_interval="2ba", checkpoint_keep=2, eval_interval=None)
+    names = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir())
+    assert names == ["ep0-ba4.pt", "ep1-ba6.pt", "latest.pt"]  # ba4 ends epoch 0, before epoch_end
+
+
+def test_no_temporary_files_are_left_behind(tmp_path):
+    trainer = train(tmp_path, [], max_duration="1ep")
+    assert not [p for p in (trainer.run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match="corrupt or not a PyTorch checkpoint"):
+        load_checkpoint(bad)
+    torch.save({"weights": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="not a Slipstream checkpoint"):
+        load_checkpoint(tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_checkpoint_that_does_not_fit_the_model(tmp_path):
+    first = train(tmp_path / "a", [], max_duration="1ba")
+    other = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4))
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        train(tmp_path / "b", [], model=other, max_duration="2ba", load_path=first.run_dir / "checkpoints" / "latest.pt")
+
+
+def _params(trainer):
+    return [p.detach().clone() for p in trainer.state.unwrapped_model.parameters()]
+
+
+def test_resume_mid_epoch_is_bit_exact(tmp_path):
+    straight = train(tmp_path / "straight", [Counter()], max_duration="6ba", checkpoint_interval=None)
+    first = train(tmp_path / "split", [Counter()], max_duration="3ba", checkpoint_interval=None)
+    counter = Counter()
+    resumed = train(
+        tmp_path / "split", [counter], max_duration="6ba", load_path=first.run_dir / "checkpoints" / "latest.pt"
+    )
+    assert resumed.state.timestamp.batch == 6 and counter.count == 6
+    for a, b in zip(_params(straight), _params(resumed)):
+        assert torch.equal(a, b)
+    records = [json.loads(line) for line in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["kind"] == "train" and r["step"] == 6 for r in records)  # appended, not replaced
+
+
+def test_a_run_directory_holding_a_run_is_not_reused(tmp_path):
+    train(tmp_path, [], max_duration="1ba")
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train(tmp_path, [], max_duration="1ba")
+
+
+class FailAt(Algorithm):
+    name = "fail_at"
+
+    @hookimpl
+    def batch_end(self, state):
+        if state.timestamp.batch == 3:
+            raise RuntimeError("injected failure")
+
+
+def test_a_failed_run_overwrites_no_checkpoint(tmp_path):
+    first = train(tmp_path, [], max_duration="2ba")
+    latest = first.run_dir / "checkpoints" / "latest.pt"
+    before = latest.read_bytes()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(tmp_path, [FailAt()], max_duration="6ba", load_path=latest, checkpoint_interval="1ba")
+    assert latest.read_bytes() == before
+
+
+def test_sigterm_ends_the_run_cleanly_with_a_checkpoint(tmp_path):
+    probe = Probe(batch_end=lambda s: os.kill(os.getpid(), signal.SIGTERM) if s.timestamp.batch == 2 else None)
+    trainer = train(tmp_path, [probe], max_duration="4ep")
+    assert trainer.state.timestamp.batch == 2
+    summary = json.loads((trainer.run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert load_checkpoint(trainer.run_dir / "checkpoints" / "latest.pt")["timestamp"]["batch"] == 2
+    assert "fit_end" in probe.events
+
+
+def test_wall_clock_budget_ends_cleanly_and_dur_is_the_fraction_of_the_budget(tmp_path):
+    fractions = []
+    probe = Probe(batch_end=lambda s: fractions.append(s.time_in("dur")))
+    train_data, eval_data = tiny_loaders()
+    model = tiny_model()
+    trainer = Trainer(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), train_data=train_data,
+        eval_data=eval_data, max_duration="1s", algorithms=[probe], run_dir=tmp_path / "run",
+        device="cpu", progress_bar=False, verbose=False, eval_interval=None, checkpoint_interval=None,
+    )
+    summary = trainer.fit()
+    assert summary["status"] == "completed"
+    assert 1.0 <= trainer.state.timestamp.elapsed_s < 3.0
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0 and fractions[0] < 0.5

@@ -1,0 +1,143 @@
+"""The command line, run as a user runs it: a subprocess, exit codes, messages,
+and no traceback for a user's mistake."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TINY = [
+    "model.name=test_resnet", "data.train_size=64", "data.val_size=32", "data.image_size=16",
+    "data.batch_size=16", "trainer.threads=1",
+]
+
+
+def slipstream(*args, cwd=None, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "slipstream", *args], capture_output=True, text=True, cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def assert_clean_error(result, *fragments):
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
+
+
+def test_help_lists_the_commands():
+    result = slipstream("--help")
+    assert result.returncode == 0
+    for command in ("train", "algorithms", "recipes", "plot", "compare"):
+        assert command in result.stdout
+
+
+def test_console_script_and_module_behave_the_same():
+    script = os.path.join(os.path.dirname(sys.executable), "slipstream")
+    if not os.path.exists(script):
+        pytest.skip("the console script is installed only in the project's .venv (make test)")
+    a = subprocess.run([script, "recipes"], capture_output=True, text=True)
+    b = slipstream("recipes")
+    assert a.returncode == b.returncode == 0 and a.stdout == b.stdout
+
+
+def test_recipes_lists_the_bundled_ones(tmp_path):
+    result = slipstream("recipes", cwd=tmp_path)  # from any working directory
+    assert result.returncode == 0 and "default" in result.stdout
+    listed = json.loads(slipstream("recipes", "--json").stdout)
+    assert any(r["name"] == "default" for r in listed)
+
+
+def test_algorithms_json_is_machine_readable():
+    result = slipstream("algorithms", "--json")
+    assert result.returncode == 0
+    for entry in json.loads(result.stdout):
+        assert set(entry) >= {"name", "distribution", "version", "summary", "error"}
+
+
+def test_train_runs_and_writes_the_run_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    result = slipstream("train", *TINY, "trainer.max_duration=2ep", f"trainer.run_dir={run_dir}")
+    assert result.returncode == 0, result.stderr
+    assert "accuracy" in result.stdout and "run directory" in result.stdout  # the summary table
+    assert "algorithms in order: none" in result.stderr
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints/latest.pt"):
+        assert (run_dir / name).exists(), name
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary) >= {"accuracy", "wall_time_s", "samples_per_s", "algorithms", "versions", "device", "world_size"}
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert len(evals) == 2
+    assert set(train[0]) >= {"step", "epoch", "elapsed_s", "loss", "lr", "image_size", "samples_per_s"}
+    assert train[0]["image_size"] == [16, 16]
+    assert set(evals[0]) >= {"step", "epoch", "loss", "accuracy"}
+    config = (run_dir / "config.yaml").read_text()
+    assert "test_resnet" in config and "max_duration: 2ep" in config
+
+
+def test_unknown_algorithm(tmp_path):
+    assert_clean_error(
+        slipstream("train", "--algorithms", "mixed_precison", *TINY, f"trainer.run_dir={tmp_path / 'r'}"),
+        "unknown algorithm 'mixed_precison'", "installed algorithms:",
+    )
+    assert not (tmp_path / "r").exists()  # nothing written for a bad config
+
+
+def test_misspelled_config_key():
+    assert_clean_error(slipstream("train", "data.batchsize=3"), "unknown key 'data.batchsize'", "did you mean 'data.batch_size'")
+
+
+def test_bad_duration():
+    assert_clean_error(slipstream("train", "trainer.max_duration=forever"), "trainer.max_duration", "is not a duration")
+
+
+def test_broken_recipe_file(tmp_path):
+    recipe = tmp_path / "broken.yaml"
+    recipe.write_text("model: [unclosed\n")
+    assert_clean_error(slipstream("train", "--recipe", str(recipe)), "is not valid YAML")
+
+
+def test_unknown_model_and_dataset(tmp_path):
+    assert_clean_error(slipstream("train", "model.name=resnet_19"), "unknown model 'resnet_19'")
+    assert_clean_error(slipstream("train", "data.name=mnist"), "mnist")
+
+
+def test_corrupt_checkpoint(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"garbage")
+    assert_clean_error(
+        slipstream("train", *TINY, f"trainer.load_path={bad}", f"trainer.run_dir={tmp_path / 'run'}"),
+        "corrupt or not a PyTorch checkpoint",
+    )
+
+
+def test_a_plugin_that_fails_to_import(tmp_path):
+    from helpers import fake_distribution
+
+    site = fake_distribution(tmp_path / "site", "slipstream-broken", {"broken": "broken_mod:Broken"},
+                             {"broken_mod": "raise ImportError('needs a GPU library')\n"})
+    env = {"PYTHONPATH": str(site)}
+    listing = slipstream("algorithms", env=env)
+    assert listing.returncode == 0
+    assert "broken" in listing.stdout and "FAILED TO LOAD" in listing.stdout and "needs a GPU library" in listing.stdout
+    assert_clean_error(
+        slipstream("train", "--algorithms", "broken", env=env),
+        "slipstream-broken", "broken_mod:Broken", "needs a GPU library",
+    )
+
+
+def test_plot_and_compare(tmp_path):
+    for name in ("a", "b"):
+        result = slipstream("train", "--quiet", *TINY, "trainer.max_duration=4ba", f"trainer.run_dir={tmp_path / name}")
+        assert result.returncode == 0, result.stderr
+    out = tmp_path / "plot.png"
+    result = slipstream("plot", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = slipstream("compare", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert table.returncode == 0 and "a" in table.stdout and "b" in table.stdout
+    assert_clean_error(slipstream("compare", str(tmp_path)), str(tmp_path))

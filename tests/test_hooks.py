@@ -1,0 +1,163 @@
+"""The hook contract: firing order, step wrapping and replacing, binding."""
+
+import pytest
+import torch
+from helpers import Probe, train
+
+from slipstream import Algorithm, PluginError, hookimpl
+from slipstream.hookspecs import EVENTS, STEPS
+
+BATCH_EVENTS = [
+    "batch_start",
+    "before_forward",
+    "after_forward",
+    "after_loss",
+    "before_backward",
+    "after_backward",
+    "before_optimizer_step",
+    "after_optimizer_step",
+    "batch_end",
+]
+EVAL_EVENTS = lambda n: ["eval_start", *(["eval_batch_start", "eval_batch_end"] * n), "eval_end"]  # noqa: E731
+
+
+def test_exact_firing_order_for_a_full_short_run(tmp_path):
+    probe = Probe()
+    # 64 samples / 16 per batch = 4 batches per epoch; evaluation every epoch (4 eval batches).
+    train(tmp_path, [probe], max_duration="2ep")
+    epoch = ["epoch_start", *BATCH_EVENTS * 4, "epoch_end", *EVAL_EVENTS(4)]
+    assert probe.events == ["init", "fit_start", *epoch, *epoch, "fit_end"]
+
+
+def test_final_evaluation_precedes_fit_end_when_the_run_ends_mid_epoch(tmp_path):
+    probe = Probe()
+    train(tmp_path, [probe], max_duration="3ba")
+    assert probe.events == ["init", "fit_start", "epoch_start", *BATCH_EVENTS * 3, *EVAL_EVENTS(4), "fit_end"]
+
+
+def test_every_event_is_in_the_contract():
+    import slipstream.hookspecs as specs
+
+    for name in (*EVENTS, *STEPS):
+        assert callable(getattr(specs, name)), name
+
+
+class Wrap(Algorithm):
+    name = "wrap"
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    @hookimpl(wrapper=True)
+    def forward(self, state):
+        self.log.append("wrap:before")
+        result = yield
+        self.log.append("wrap:after")
+        return result * 0 + 1.0  # a wrapper may change the result
+
+
+class Outer(Wrap):
+    name = "outer"
+    runs_before = ("wrap",)
+
+    @hookimpl(wrapper=True)
+    def forward(self, state):
+        self.log.append("outer:before")
+        result = yield
+        self.log.append("outer:after")
+        return result
+
+
+def test_wrappers_compose_in_the_resolved_order(tmp_path):
+    log = []
+    seen = []
+    probe = Probe(after_forward=lambda s: seen.append(s.outputs.detach().clone()))
+    train(tmp_path, [Wrap(log), Outer(log), probe], max_duration="1ba", eval_interval=None)
+    assert log[:4] == ["outer:before", "wrap:before", "wrap:after", "outer:after"]
+    assert torch.all(seen[0] == 1.0)
+
+
+class ReplaceLoss(Algorithm):
+    name = "replace_loss"
+
+    @hookimpl
+    def compute_loss(self, state):
+        return state.outputs.float().pow(2).mean()
+
+
+class ReplaceLossToo(ReplaceLoss):
+    name = "replace_loss_too"
+
+
+def test_a_plugin_replaces_a_step(tmp_path):
+    losses = []
+    probe = Probe(after_loss=lambda s: losses.append((s.loss.item(), s.outputs.float().pow(2).mean().item())))
+    train(tmp_path, [ReplaceLoss(), probe], max_duration="2ba", eval_interval=None)
+    assert all(a == pytest.approx(b) for a, b in losses)
+
+
+def test_two_plugins_replacing_one_step_is_an_error_naming_both(tmp_path):
+    with pytest.raises(PluginError, match=r"'replace_loss'.*'replace_loss_too'.*compute_loss|'replace_loss_too'.*'replace_loss'.*compute_loss"):
+        train(tmp_path, [ReplaceLoss(), ReplaceLossToo()], max_duration="1ba")
+
+
+class SkipEveryOther(Algorithm):
+    name = "skip_every_other"
+
+    @hookimpl
+    def should_step(self, state):
+        return state.timestamp.batch % 2 == 1
+
+
+def test_should_step_gates_the_optimizer_and_its_events(tmp_path):
+    probe = Probe()
+    trainer = train(tmp_path, [SkipEveryOther(), probe], max_duration="4ba", eval_interval=None)
+    assert probe.events.count("before_optimizer_step") == 2
+    assert probe.events.count("after_optimizer_step") == 2
+    assert trainer.state.timestamp.optimizer_steps == 2
+
+
+def test_unimplemented_hooks_are_bound_to_a_cheap_noop(tmp_path):
+    trainer = train(tmp_path, [], max_duration="1ba", eval_interval=None)
+    assert trainer.hooks.before_backward.__name__ == "_noop"
+    assert trainer.hooks.batch_end is trainer.pm.hook.batch_end
+
+
+class Boom(Algorithm):
+    name = "boom"
+
+    def __init__(self):
+        super().__init__()
+        self.seen = None
+
+    @hookimpl
+    def after_backward(self, state):
+        raise RuntimeError("boom")
+
+    @hookimpl
+    def exception(self, state, error):
+        self.seen = error
+
+
+def test_exception_event_fires_and_the_error_propagates(tmp_path):
+    boom = Boom()
+    with pytest.raises(RuntimeError, match="boom"):
+        train(tmp_path, [boom], max_duration="2ba")
+    assert isinstance(boom.seen, RuntimeError)
+    import json
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "boom" in summary["error"]
+
+
+def test_state_says_where_the_batch_is(tmp_path):
+    seen = {}
+
+    def at(name):
+        return lambda s: seen.setdefault(name, (s.batch[0].device.type, tuple(s.batch[0].shape), s.training))
+
+    probe = Probe(batch_start=at("batch_start"), eval_batch_start=at("eval_batch_start"))
+    train(tmp_path, [probe], max_duration="1ba")
+    assert seen["batch_start"] == ("cpu", (16, 3, 16, 16), True)
+    assert seen["eval_batch_start"][2] is False

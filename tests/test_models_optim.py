@@ -1,0 +1,68 @@
+"""Models by name and optimizers with their implementation chosen for speed."""
+
+import pytest
+import torch
+
+from slipstream import ConfigError
+from slipstream.models import build_model
+from slipstream.optim import build_optimizer
+
+
+def test_timm_and_torchvision_models_by_name():
+    timm_model = build_model("test_resnet", 7)
+    assert timm_model(torch.rand(2, 3, 16, 16)).shape == (2, 7)
+    tv_model = build_model("torchvision/resnet18", 5)
+    assert type(tv_model).__module__.startswith("torchvision")
+    assert tv_model.fc.out_features == 5
+
+
+def test_cifar_stem_keeps_resolution():
+    model = build_model("resnet18", 10, cifar_stem=True)
+    assert model.conv1.kernel_size == (3, 3) and model.conv1.stride == (1, 1)
+    assert isinstance(model.maxpool, torch.nn.Identity)
+    feats = model.forward_features(torch.rand(1, 3, 32, 32))
+    assert feats.shape[-1] == 4  # 32 / 8: only the three stage strides remain
+
+
+def test_timm_vits_take_any_image_size():
+    model = build_model("test_vit", 3, image_size=32)
+    assert model.dynamic_img_size
+    for size in (16, 32, 48):
+        assert model(torch.rand(1, 3, size, size)).shape == (1, 3)
+
+
+def test_unknown_model_suggests_the_closest():
+    with pytest.raises(ConfigError, match=r"unknown model 'resnet_18' \(did you mean"):
+        build_model("resnet_18", 10)
+    with pytest.raises(ConfigError, match="prefix must be"):
+        build_model("keras/resnet18", 10)
+
+
+def test_optimizer_default_impl_is_fused_on_cpu():
+    model = torch.nn.Linear(4, 2)
+    for name in ("sgd", "adamw"):
+        opt = build_optimizer(model, name, 0.1)
+        assert opt.defaults["fused"] is True, name
+
+
+@pytest.mark.parametrize("impl,fused,foreach", [("for_loop", None, False), ("foreach", None, True)])
+def test_optimizer_impl_is_configurable(impl, fused, foreach):
+    opt = build_optimizer(torch.nn.Linear(4, 2), "sgd", 0.1, impl=impl)
+    assert opt.defaults.get("fused") in (fused, False) and opt.defaults["foreach"] is foreach
+
+
+def test_adafactor_and_no_decay_for_biases():
+    model = torch.nn.Linear(4, 2)
+    opt = build_optimizer(model, "adafactor", 0.01, weight_decay=0.1)
+    assert type(opt).__name__ == "Adafactor"
+    decays = sorted(g["weight_decay"] for g in opt.param_groups)
+    assert decays == [0.0, 0.1]
+
+
+def test_optimizer_errors():
+    with pytest.raises(ConfigError, match="optimizer.name 'lamb' is not supported; choose one of sgd, adamw, adafactor"):
+        build_optimizer(torch.nn.Linear(2, 2), "lamb", 0.1)
+    with pytest.raises(ConfigError, match="optimizer.impl=fused: Adafactor has no fused"):
+        build_optimizer(torch.nn.Linear(2, 2), "adafactor", 0.1, impl="fused")
+    with pytest.raises(ConfigError, match="optimizer.impl 'fast'"):
+        build_optimizer(torch.nn.Linear(2, 2), "sgd", 0.1, impl="fast")
