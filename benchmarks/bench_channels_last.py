@@ -15,11 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from slipstream_channels_last import ChannelsLast
+
 from common import compare, parser, random_loader, report
 from slipstream import Algorithm
 from slipstream.models import build_model
 from slipstream.plugins import build_config, discover
-from slipstream_channels_last import ChannelsLast
 
 
 def mixed_precision_bf16() -> Callable[[], Algorithm] | None:
@@ -31,7 +32,9 @@ def mixed_precision_bf16() -> Callable[[], Algorithm] | None:
     return lambda: info.cls(build_config(info.cls, {"dtype": "bf16"}))
 
 
-def bench(model_name: str, size: int, batch: int, args: Any, bf16, **model_kwargs) -> None:
+def bench(
+    model_name: str, size: int, batch: int, steps: int, args: Any, bf16, **model_kwargs
+) -> None:
     def variant(*algorithms: Callable[[], Algorithm]):
         def build():
             torch.manual_seed(0)
@@ -45,7 +48,7 @@ def bench(model_name: str, size: int, batch: int, args: Any, bf16, **model_kwarg
     if bf16 is not None:
         variants["bf16"] = variant(bf16)
         variants["bf16 + channels_last"] = variant(bf16, ChannelsLast)
-    steps = args.steps if size <= 64 else max(3, args.steps // 3)
+    steps = min(steps, args.steps)
     data = random_loader(batch * (args.warmup + steps), size, batch)
     results = compare(variants, data, steps=steps, warmup=args.warmup, repeats=args.repeats)
     report(f"{model_name} at {size} px, batch {batch}, {args.threads} threads", results)
@@ -54,17 +57,19 @@ def bench(model_name: str, size: int, batch: int, args: Any, bf16, **model_kwarg
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--bf16", action="store_true", help="add bf16 and bf16 + channels_last variants")
+    p.set_defaults(warmup=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     bf16 = mixed_precision_bf16() if args.bf16 else None
     if args.quick:
         args.steps, args.warmup, args.repeats = 3, 1, 1
-        bench("resnet18", 32, 32, args, bf16)
-        bench("vit_tiny_patch16_224", 32, 32, args, bf16, patch_size=4)
+        bench("resnet18", 32, 32, 3, args, bf16)
+        bench("vit_tiny_patch16_224", 32, 32, 3, args, bf16, patch_size=4)
         return
-    bench("resnet18", 32, 64, args, bf16)
-    bench("resnet50", 96, 32, args, bf16)
-    bench("vit_tiny_patch16_224", 96, 64, args, bf16)
+    # Timed steps per model: about the same time per model, at most --steps.
+    bench("resnet18", 32, 64, 12, args, bf16)
+    bench("resnet50", 96, 16, 4, args, bf16)
+    bench("vit_tiny_patch16_224", 96, 32, 6, args, bf16)
 
 
 if __name__ == "__main__":

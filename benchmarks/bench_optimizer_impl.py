@@ -40,9 +40,13 @@ def main() -> None:
                     opt.step()
                 times[impl].append((time.perf_counter() - start) / steps)
         base = statistics.median(times["for_loop"])
-        print(f"{name}: " + ", ".join(
-            f"{impl} {1000 * statistics.median(t):.1f} ms ({base / statistics.median(t):.2f}x)" for impl, t in times.items()
-        ))
+        print(
+            f"{name}: "
+            + ", ".join(
+                f"{impl} {1000 * statistics.median(t):.1f} ms ({base / statistics.median(t):.2f}x)"
+                for impl, t in times.items()
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -27,13 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from slipstream_channels_last import ChannelsLast
+from slipstream_torch_compile import TorchCompile, TorchCompileConfig
+from torch._inductor.utils import clear_caches
+
 from common import compare, parser, random_loader, report
 from slipstream import Algorithm, Trainer, hookimpl
 from slipstream.models import build_model
 from slipstream.plugins import build_config, discover
-from slipstream_channels_last import ChannelsLast
-from slipstream_torch_compile import TorchCompile, TorchCompileConfig
-from torch._inductor.utils import clear_caches
 
 
 def start_compiler(cold: bool) -> None:

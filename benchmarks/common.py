@@ -157,7 +157,9 @@ def run_variant(
             trainer.fit()
             peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else float("nan")
     t = timer.times
-    step_s = (t[-1] - t[warmup - 1]) / (len(t) - warmup) if warmup > 0 else (t[-1] - t[0]) / (len(t) - 1)
+    step_s = (
+        (t[-1] - t[warmup - 1]) / (len(t) - warmup) if warmup > 0 else (t[-1] - t[0]) / (len(t) - 1)
+    )
     return step_s, peak
 
 
@@ -175,7 +177,9 @@ def compare(
     results = {name: Result(name) for name in variants}
     for _ in range(repeats):
         for name, build in variants.items():
-            data = loader(name) if callable(loader) and not isinstance(loader, DataLoader) else loader
+            data = (
+                loader(name) if callable(loader) and not isinstance(loader, DataLoader) else loader
+            )
             step_s, peak = run_variant(build, data, steps, warmup, measure_memory, device)
             results[name].step_s.append(step_s)
             results[name].peak_mib.append(peak)
@@ -186,7 +190,11 @@ def report(title: str, results: dict[str, Result], memory: bool = False) -> str:
     """A table with speed-up (and memory) ratios against the first variant."""
     names = list(results)
     base = results[names[0]]
-    lines = [title, f"{'variant':<28} {'ms/step':>9} {'speed-up':>9}" + (f" {'peak MiB':>9} {'memory':>8}" if memory else "")]
+    lines = [
+        title,
+        f"{'variant':<28} {'ms/step':>9} {'speed-up':>9}"
+        + (f" {'peak MiB':>9} {'memory':>8}" if memory else ""),
+    ]
     for name in names:
         r = results[name]
         line = f"{name:<28} {1000 * r.median_step_s:>9.1f} {base.median_step_s / r.median_step_s:>8.2f}x"

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import timm
 import torch
@@ -36,7 +37,11 @@ def tiny_model(kind: str = "resnet", num_classes: int = 4, image_size: int = 16)
         return timm.create_model("test_resnet", num_classes=num_classes)
     if kind == "vit":
         return timm.create_model(
-            "test_vit", num_classes=num_classes, img_size=image_size, patch_size=8, dynamic_img_size=True
+            "test_vit",
+            num_classes=num_classes,
+            img_size=image_size,
+            patch_size=8,
+            dynamic_img_size=True,
         )
     raise ValueError(kind)
 
@@ -98,7 +103,9 @@ def train(
     return trainer
 
 
-def fake_distribution(site: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]) -> Path:
+def fake_distribution(
+    site: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]
+) -> Path:
     """Write an installed-looking distribution (dist-info with entry points) into
     ``site``; put ``site`` on sys.path (or PYTHONPATH) to make it discoverable."""
     site.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,8 @@ import signal
 
 import pytest
 import torch
-from helpers import Probe, tiny_loaders, tiny_model, train
 
+from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import Algorithm, CheckpointError, ConfigError, Trainer, hookimpl, load_checkpoint
 
 
@@ -45,7 +45,14 @@ def test_checkpoint_contents_load_with_weights_only(tmp_path):
 
 
 def test_checkpoint_interval_in_batches_keeps_the_newest(tmp_path):
-    trainer = train(tmp_path, [], max_duration="6ba", checkpoint_interval="2ba", checkpoint_keep=2, eval_interval=None)
+    trainer = train(
+        tmp_path,
+        [],
+        max_duration="6ba",
+        checkpoint_interval="2ba",
+        checkpoint_keep=2,
+        eval_interval=None,
+    )
     names = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir())
     assert names == ["ep0-ba4.pt", "ep1-ba6.pt", "latest.pt"]  # ba4 ends epoch 0, before epoch_end
 
@@ -71,7 +78,13 @@ def test_checkpoint_that_does_not_fit_the_model(tmp_path):
     first = train(tmp_path / "a", [], max_duration="1ba")
     other = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4))
     with pytest.raises(CheckpointError, match="does not fit this model"):
-        train(tmp_path / "b", [], model=other, max_duration="2ba", load_path=first.run_dir / "checkpoints" / "latest.pt")
+        train(
+            tmp_path / "b",
+            [],
+            model=other,
+            max_duration="2ba",
+            load_path=first.run_dir / "checkpoints" / "latest.pt",
+        )
 
 
 def _params(trainer):
@@ -79,16 +92,23 @@ def _params(trainer):
 
 
 def test_resume_mid_epoch_is_bit_exact(tmp_path):
-    straight = train(tmp_path / "straight", [Counter()], max_duration="6ba", checkpoint_interval=None)
+    straight = train(
+        tmp_path / "straight", [Counter()], max_duration="6ba", checkpoint_interval=None
+    )
     first = train(tmp_path / "split", [Counter()], max_duration="3ba", checkpoint_interval=None)
     counter = Counter()
     resumed = train(
-        tmp_path / "split", [counter], max_duration="6ba", load_path=first.run_dir / "checkpoints" / "latest.pt"
+        tmp_path / "split",
+        [counter],
+        max_duration="6ba",
+        load_path=first.run_dir / "checkpoints" / "latest.pt",
     )
     assert resumed.state.timestamp.batch == 6 and counter.count == 6
-    for a, b in zip(_params(straight), _params(resumed)):
+    for a, b in zip(_params(straight), _params(resumed), strict=True):
         assert torch.equal(a, b)
-    records = [json.loads(line) for line in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     assert any(r["kind"] == "train" and r["step"] == 6 for r in records)  # appended, not replaced
 
 
@@ -117,7 +137,9 @@ def test_a_failed_run_overwrites_no_checkpoint(tmp_path):
 
 
 def test_sigterm_ends_the_run_cleanly_with_a_checkpoint(tmp_path):
-    probe = Probe(batch_end=lambda s: os.kill(os.getpid(), signal.SIGTERM) if s.timestamp.batch == 2 else None)
+    probe = Probe(
+        batch_end=lambda s: os.kill(os.getpid(), signal.SIGTERM) if s.timestamp.batch == 2 else None
+    )
     trainer = train(tmp_path, [probe], max_duration="4ep")
     assert trainer.state.timestamp.batch == 2
     summary = json.loads((trainer.run_dir / "summary.json").read_text())
@@ -132,9 +154,18 @@ def test_wall_clock_budget_ends_cleanly_and_dur_is_the_fraction_of_the_budget(tm
     train_data, eval_data = tiny_loaders()
     model = tiny_model()
     trainer = Trainer(
-        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), train_data=train_data,
-        eval_data=eval_data, max_duration="1s", algorithms=[probe], run_dir=tmp_path / "run",
-        device="cpu", progress_bar=False, verbose=False, eval_interval=None, checkpoint_interval=None,
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+        train_data=train_data,
+        eval_data=eval_data,
+        max_duration="1s",
+        algorithms=[probe],
+        run_dir=tmp_path / "run",
+        device="cpu",
+        progress_bar=False,
+        verbose=False,
+        eval_interval=None,
+        checkpoint_interval=None,
     )
     summary = trainer.fit()
     assert summary["status"] == "completed"

@@ -9,14 +9,21 @@ import sys
 import pytest
 
 TINY = [
-    "model.name=test_resnet", "data.train_size=64", "data.val_size=32", "data.image_size=16",
-    "data.batch_size=16", "trainer.threads=1",
+    "model.name=test_resnet",
+    "data.train_size=64",
+    "data.val_size=32",
+    "data.image_size=16",
+    "data.batch_size=16",
+    "trainer.threads=1",
 ]
 
 
 def slipstream(*args, cwd=None, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "slipstream", *args], capture_output=True, text=True, cwd=cwd,
+        [sys.executable, "-m", "slipstream", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
         env={**os.environ, **(env or {})},
     )
 
@@ -67,12 +74,28 @@ def test_train_runs_and_writes_the_run_directory(tmp_path):
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints/latest.pt"):
         assert (run_dir / name).exists(), name
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert set(summary) >= {"accuracy", "wall_time_s", "samples_per_s", "algorithms", "versions", "device", "world_size"}
+    assert set(summary) >= {
+        "accuracy",
+        "wall_time_s",
+        "samples_per_s",
+        "algorithms",
+        "versions",
+        "device",
+        "world_size",
+    }
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     assert len(evals) == 2
-    assert set(train[0]) >= {"step", "epoch", "elapsed_s", "loss", "lr", "image_size", "samples_per_s"}
+    assert set(train[0]) >= {
+        "step",
+        "epoch",
+        "elapsed_s",
+        "loss",
+        "lr",
+        "image_size",
+        "samples_per_s",
+    }
     assert train[0]["image_size"] == [16, 16]
     assert set(evals[0]) >= {"step", "epoch", "loss", "accuracy"}
     config = (run_dir / "config.yaml").read_text()
@@ -81,18 +104,29 @@ def test_train_runs_and_writes_the_run_directory(tmp_path):
 
 def test_unknown_algorithm(tmp_path):
     assert_clean_error(
-        slipstream("train", "--algorithms", "mixed_precison", *TINY, f"trainer.run_dir={tmp_path / 'r'}"),
-        "unknown algorithm 'mixed_precison'", "installed algorithms:",
+        slipstream(
+            "train", "--algorithms", "mixed_precison", *TINY, f"trainer.run_dir={tmp_path / 'r'}"
+        ),
+        "unknown algorithm 'mixed_precison'",
+        "installed algorithms:",
     )
     assert not (tmp_path / "r").exists()  # nothing written for a bad config
 
 
 def test_misspelled_config_key():
-    assert_clean_error(slipstream("train", "data.batchsize=3"), "unknown key 'data.batchsize'", "did you mean 'data.batch_size'")
+    assert_clean_error(
+        slipstream("train", "data.batchsize=3"),
+        "unknown key 'data.batchsize'",
+        "did you mean 'data.batch_size'",
+    )
 
 
 def test_bad_duration():
-    assert_clean_error(slipstream("train", "trainer.max_duration=forever"), "trainer.max_duration", "is not a duration")
+    assert_clean_error(
+        slipstream("train", "trainer.max_duration=forever"),
+        "trainer.max_duration",
+        "is not a duration",
+    )
 
 
 def test_broken_recipe_file(tmp_path):
@@ -110,7 +144,9 @@ def test_corrupt_checkpoint(tmp_path):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"garbage")
     assert_clean_error(
-        slipstream("train", *TINY, f"trainer.load_path={bad}", f"trainer.run_dir={tmp_path / 'run'}"),
+        slipstream(
+            "train", *TINY, f"trainer.load_path={bad}", f"trainer.run_dir={tmp_path / 'run'}"
+        ),
         "corrupt or not a PyTorch checkpoint",
     )
 
@@ -118,21 +154,37 @@ def test_corrupt_checkpoint(tmp_path):
 def test_a_plugin_that_fails_to_import(tmp_path):
     from helpers import fake_distribution
 
-    site = fake_distribution(tmp_path / "site", "slipstream-broken", {"broken": "broken_mod:Broken"},
-                             {"broken_mod": "raise ImportError('needs a GPU library')\n"})
+    site = fake_distribution(
+        tmp_path / "site",
+        "slipstream-broken",
+        {"broken": "broken_mod:Broken"},
+        {"broken_mod": "raise ImportError('needs a GPU library')\n"},
+    )
     env = {"PYTHONPATH": str(site)}
     listing = slipstream("algorithms", env=env)
     assert listing.returncode == 0
-    assert "broken" in listing.stdout and "FAILED TO LOAD" in listing.stdout and "needs a GPU library" in listing.stdout
+    assert (
+        "broken" in listing.stdout
+        and "FAILED TO LOAD" in listing.stdout
+        and "needs a GPU library" in listing.stdout
+    )
     assert_clean_error(
         slipstream("train", "--algorithms", "broken", env=env),
-        "slipstream-broken", "broken_mod:Broken", "needs a GPU library",
+        "slipstream-broken",
+        "broken_mod:Broken",
+        "needs a GPU library",
     )
 
 
 def test_plot_and_compare(tmp_path):
     for name in ("a", "b"):
-        result = slipstream("train", "--quiet", *TINY, "trainer.max_duration=4ba", f"trainer.run_dir={tmp_path / name}")
+        result = slipstream(
+            "train",
+            "--quiet",
+            *TINY,
+            "trainer.max_duration=4ba",
+            f"trainer.run_dir={tmp_path / name}",
+        )
         assert result.returncode == 0, result.stderr
     out = tmp_path / "plot.png"
     result = slipstream("plot", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out))

@@ -16,20 +16,26 @@ def write(path, text):
 
 @pytest.fixture
 def recipes(tmp_path):
-    write(tmp_path / "base.yaml", """
+    write(
+        tmp_path / "base.yaml",
+        """
 model: {name: test_resnet}
 data: {batch_size: 32, image_size: 24}
 trainer: {max_duration: 3ep}
 algorithms:
   alpha: {level: 1}
   beta: {}
-""")
-    write(tmp_path / "child.yaml", """
+""",
+    )
+    write(
+        tmp_path / "child.yaml",
+        """
 extends: base.yaml
 data: {batch_size: 64}
 algorithms:
   alpha: {level: 2}
-""")
+""",
+    )
     return tmp_path
 
 
@@ -67,12 +73,17 @@ def test_algorithms_flag_adds_to_what_the_recipe_enables(recipes):
 
 def test_unknown_key_in_a_recipe_names_it_and_the_closest(recipes):
     write(recipes / "typo.yaml", "data:\n  batch_sise: 3\n")
-    with pytest.raises(ConfigError, match=r"unknown key 'data.batch_sise' \(did you mean 'data.batch_size'\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'data.batch_sise' \(did you mean 'data.batch_size'\?\)"
+    ):
         build_config(recipes / "typo.yaml")
 
 
 def test_unknown_key_on_the_command_line():
-    with pytest.raises(ConfigError, match=r"unknown key 'trainer.max_duraton' \(did you mean 'trainer.max_duration'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key 'trainer.max_duraton' \(did you mean 'trainer.max_duration'\?\)",
+    ):
         build_config(None, None, ["trainer.max_duraton=3ep"])
     with pytest.raises(ConfigError, match=r"unknown section 'trainr' \(did you mean 'trainer'\?\)"):
         build_config(None, None, ["trainr.seed=1"])
@@ -115,7 +126,10 @@ def test_extends_cycle_is_refused(tmp_path):
 
 
 def test_missing_recipe_lists_bundled_ones():
-    with pytest.raises(ConfigError, match=r"no recipe 'defualt'.*did you mean 'default'.*bundled recipes: .*default"):
+    with pytest.raises(
+        ConfigError,
+        match=r"no recipe 'defualt'.*did you mean 'default'.*bundled recipes: .*default",
+    ):
         build_config("defualt")
 
 
@@ -137,8 +151,17 @@ def test_every_bundled_recipe_resolves():
 
 @pytest.mark.parametrize(
     "text,value,unit",
-    [("10ep", 10, "ep"), ("2000ba", 2000, "ba"), ("50000sp", 50000, "sp"), ("0.3dur", 0.3, "dur"),
-     ("90s", 90, "s"), ("15m", 900, "s"), ("24h", 86400, "s"), ("1.5h", 5400, "s"), ("1e3ba", 1000, "ba")],
+    [
+        ("10ep", 10, "ep"),
+        ("2000ba", 2000, "ba"),
+        ("50000sp", 50000, "sp"),
+        ("0.3dur", 0.3, "dur"),
+        ("90s", 90, "s"),
+        ("15m", 900, "s"),
+        ("24h", 86400, "s"),
+        ("1.5h", 5400, "s"),
+        ("1e3ba", 1000, "ba"),
+    ],
 )
 def test_durations(text, value, unit):
     d = Duration.parse(text)

@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from torchvision import datasets as tv_datasets
+
 from slipstream.data import (
     DATASET_NAMES,
     DATASET_STATS,
@@ -20,7 +22,6 @@ from slipstream.data import (
     build_datasets,
     build_loader,
 )
-from torchvision import datasets as tv_datasets
 
 torch.set_num_threads(1)
 
@@ -109,8 +110,9 @@ def test_synthetic_stats_match_rendering() -> None:
 
 
 def test_build_synthetic() -> None:
-    train, val, n = build_datasets("synthetic", image_size=16, num_classes=4, train_size=8,
-                                   val_size=4, seed=2)
+    train, val, n = build_datasets(
+        "synthetic", image_size=16, num_classes=4, train_size=8, val_size=4, seed=2
+    )
     assert (len(train), len(val), n) == (8, 4, 4)
     assert isinstance(train, SyntheticShapes) and train.split == "train" and val.split == "val"
     assert train[0][0].shape == (3, 16, 16)
@@ -150,21 +152,34 @@ def _fake_cifar10(root: Path, monkeypatch: pytest.MonkeyPatch, per_batch: int = 
     rng = np.random.default_rng(0)
     names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
     for name in names:
-        _write_pickle(folder / name, {
-            "batch_label": name,
-            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
-            "labels": rng.integers(0, 10, per_batch).tolist(),
-            "filenames": [f"{name}_{i}.png" for i in range(per_batch)],
-        })
-    _write_pickle(folder / "batches.meta", {
-        "label_names": [f"class{i}" for i in range(10)], "num_cases_per_batch": per_batch,
-    })
+        _write_pickle(
+            folder / name,
+            {
+                "batch_label": name,
+                "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+                "labels": rng.integers(0, 10, per_batch).tolist(),
+                "filenames": [f"{name}_{i}.png" for i in range(per_batch)],
+            },
+        )
+    _write_pickle(
+        folder / "batches.meta",
+        {
+            "label_names": [f"class{i}" for i in range(10)],
+            "num_cases_per_batch": per_batch,
+        },
+    )
     listed = [[n, _md5(folder / n)] for n in names]
     monkeypatch.setattr(tv_datasets.CIFAR10, "train_list", listed[:5])
     monkeypatch.setattr(tv_datasets.CIFAR10, "test_list", listed[5:])
-    monkeypatch.setattr(tv_datasets.CIFAR10, "meta", {
-        "filename": "batches.meta", "key": "label_names", "md5": _md5(folder / "batches.meta"),
-    })
+    monkeypatch.setattr(
+        tv_datasets.CIFAR10,
+        "meta",
+        {
+            "filename": "batches.meta",
+            "key": "label_names",
+            "md5": _md5(folder / "batches.meta"),
+        },
+    )
 
 
 def _fake_cifar100(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,20 +187,32 @@ def _fake_cifar100(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder.mkdir(parents=True)
     rng = np.random.default_rng(1)
     for name, n in (("train", 6), ("test", 3)):
-        _write_pickle(folder / name, {
-            "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-            "fine_labels": rng.integers(0, 100, n).tolist(),
-            "coarse_labels": rng.integers(0, 20, n).tolist(),
-        })
-    _write_pickle(folder / "meta", {
-        "fine_label_names": [f"fine{i}" for i in range(100)],
-        "coarse_label_names": [f"coarse{i}" for i in range(20)],
-    })
+        _write_pickle(
+            folder / name,
+            {
+                "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                "fine_labels": rng.integers(0, 100, n).tolist(),
+                "coarse_labels": rng.integers(0, 20, n).tolist(),
+            },
+        )
+    _write_pickle(
+        folder / "meta",
+        {
+            "fine_label_names": [f"fine{i}" for i in range(100)],
+            "coarse_label_names": [f"coarse{i}" for i in range(20)],
+        },
+    )
     monkeypatch.setattr(tv_datasets.CIFAR100, "train_list", [["train", _md5(folder / "train")]])
     monkeypatch.setattr(tv_datasets.CIFAR100, "test_list", [["test", _md5(folder / "test")]])
-    monkeypatch.setattr(tv_datasets.CIFAR100, "meta", {
-        "filename": "meta", "key": "fine_label_names", "md5": _md5(folder / "meta"),
-    })
+    monkeypatch.setattr(
+        tv_datasets.CIFAR100,
+        "meta",
+        {
+            "filename": "meta",
+            "key": "fine_label_names",
+            "md5": _md5(folder / "meta"),
+        },
+    )
 
 
 def test_cifar10_from_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -214,8 +241,9 @@ def test_cifar100_from_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert train[0][0].shape == (3, 32, 32)
 
 
-@pytest.mark.parametrize("name,folder", [("cifar10", "cifar-10-batches-py"),
-                                         ("cifar100", "cifar-100-python")])
+@pytest.mark.parametrize(
+    "name,folder", [("cifar10", "cifar-10-batches-py"), ("cifar100", "cifar-100-python")]
+)
 def test_cifar_missing_says_where_and_how(tmp_path: Path, name: str, folder: str) -> None:
     with pytest.raises(DataError) as info:
         build_datasets(name, root=tmp_path)
@@ -282,19 +310,19 @@ def _global_batches(num_samples: int, batch_size: int, world_size: int, **kw) ->
     """Global batch i as the concatenation of every rank's i-th batch."""
     per_rank = []
     for rank in range(world_size):
-        s = EpochSampler(num_samples, batch_size=batch_size, rank=rank,
-                         world_size=world_size, **kw)
+        s = EpochSampler(num_samples, batch_size=batch_size, rank=rank, world_size=world_size, **kw)
         s.set_epoch(kw.get("seed", 0) + 3)
         order = list(s)
         assert len(order) == len(s)
         per_rank.append(order)
-    n_batches = EpochSampler(num_samples, batch_size=batch_size, world_size=world_size,
-                             **kw).batches_per_epoch
+    n_batches = EpochSampler(
+        num_samples, batch_size=batch_size, world_size=world_size, **kw
+    ).batches_per_epoch
     batches = []
     for b in range(n_batches):
         batch = []
         for order in per_rank:
-            batch += order[b * batch_size:(b + 1) * batch_size]
+            batch += order[b * batch_size : (b + 1) * batch_size]
         batches.append(batch)
     return batches
 
@@ -310,8 +338,10 @@ def test_sampler_global_batches_same_at_any_world_size() -> None:
 
 def test_sampler_partial_batch_split_evenly() -> None:
     # 22 samples, global batch 8 at world 4: the last batch has 6 -> ranks get 2, 2, 1, 1.
-    samplers = [EpochSampler(22, batch_size=2, world_size=4, rank=r, drop_last=False, seed=1)
-                for r in range(4)]
+    samplers = [
+        EpochSampler(22, batch_size=2, world_size=4, rank=r, drop_last=False, seed=1)
+        for r in range(4)
+    ]
     for s in samplers:
         s.set_epoch(0)
     assert samplers[0].batches_per_epoch == 3
@@ -338,7 +368,7 @@ def test_sampler_resume_yields_tail() -> None:
     for k in (0, 1, 5, 10):
         resumed = EpochSampler(40, batch_size=4, seed=9)
         resumed.set_epoch(2, start_batch=k)
-        assert list(resumed) == order[k * 4:]
+        assert list(resumed) == order[k * 4 :]
         assert len(resumed) == 40 - 4 * k
     with pytest.raises(ValueError, match="start_batch"):
         full.set_epoch(2, start_batch=11)
@@ -350,7 +380,7 @@ def test_sampler_resume_per_rank() -> None:
         full.set_epoch(1)
         resumed = EpochSampler(30, batch_size=3, world_size=2, rank=rank, drop_last=False)
         resumed.set_epoch(1, start_batch=2)
-        assert list(resumed) == list(full)[2 * 3:]
+        assert list(resumed) == list(full)[2 * 3 :]
 
 
 def test_sampler_epochs_and_seeds() -> None:
@@ -410,8 +440,9 @@ def test_loader_uses_epoch_sampler(small_synthetic: SyntheticShapes) -> None:
 
 def test_loader_workers_match_main_process(small_synthetic: SyntheticShapes) -> None:
     main = build_loader(small_synthetic, batch_size=8, seed=4, num_workers=0)
-    workers = build_loader(small_synthetic, batch_size=8, seed=4, num_workers=2,
-                           persistent_workers=True)
+    workers = build_loader(
+        small_synthetic, batch_size=8, seed=4, num_workers=2, persistent_workers=True
+    )
     for epoch in (0, 1):
         assert _same(_epoch(main, epoch), _epoch(workers, epoch))
     assert _same(_epoch(main, 1, 2), _epoch(workers, 1, 2))

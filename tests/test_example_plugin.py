@@ -17,8 +17,19 @@ EXAMPLE = ROOT / "examples" / "step_timer"
 def installed(tmp_path_factory):
     target = tmp_path_factory.mktemp("site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--target", str(target), str(EXAMPLE)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(EXAMPLE),
+        ],
         check=True,
         capture_output=True,
     )
@@ -26,13 +37,19 @@ def installed(tmp_path_factory):
 
 
 def _env(site):
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+    }
 
 
 def test_the_example_is_found_through_its_entry_point(installed):
     out = subprocess.run(
         [sys.executable, "-m", "slipstream", "algorithms", "--json"],
-        env=_env(installed), capture_output=True, text=True, check=True,
+        env=_env(installed),
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     entry = next(item for item in json.loads(out) if item["name"] == "step_timer")
     assert entry["distribution"] == "slipstream-step-timer"
@@ -44,11 +61,28 @@ def test_the_example_is_found_through_its_entry_point(installed):
 def test_training_with_the_example_plugin(installed, tmp_path):
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "slipstream", "train", "--quiet", "--algorithms", "step_timer",
-         "model.name=test_resnet", "data.train_size=64", "data.val_size=32", "data.image_size=16",
-         "data.batch_size=16", "trainer.max_duration=6ba", "trainer.log_interval=2",
-         "algorithms.step_timer.skip_first=1", f"trainer.run_dir={run_dir}", "trainer.threads=1"],
-        env=_env(installed), capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "slipstream",
+            "train",
+            "--quiet",
+            "--algorithms",
+            "step_timer",
+            "model.name=test_resnet",
+            "data.train_size=64",
+            "data.val_size=32",
+            "data.image_size=16",
+            "data.batch_size=16",
+            "trainer.max_duration=6ba",
+            "trainer.log_interval=2",
+            "algorithms.step_timer.skip_first=1",
+            f"trainer.run_dir={run_dir}",
+            "trainer.threads=1",
+        ],
+        env=_env(installed),
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())

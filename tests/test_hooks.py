@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from helpers import Probe, train
 
+from helpers import Probe, train
 from slipstream import Algorithm, PluginError, hookimpl
 from slipstream.hookspecs import EVENTS, STEPS
 
@@ -32,7 +32,14 @@ def test_exact_firing_order_for_a_full_short_run(tmp_path):
 def test_final_evaluation_precedes_fit_end_when_the_run_ends_mid_epoch(tmp_path):
     probe = Probe()
     train(tmp_path, [probe], max_duration="3ba")
-    assert probe.events == ["init", "fit_start", "epoch_start", *BATCH_EVENTS * 3, *EVAL_EVENTS(4), "fit_end"]
+    assert probe.events == [
+        "init",
+        "fit_start",
+        "epoch_start",
+        *BATCH_EVENTS * 3,
+        *EVAL_EVENTS(4),
+        "fit_end",
+    ]
 
 
 def test_every_event_is_in_the_contract():
@@ -92,13 +99,18 @@ class ReplaceLossToo(ReplaceLoss):
 
 def test_a_plugin_replaces_a_step(tmp_path):
     losses = []
-    probe = Probe(after_loss=lambda s: losses.append((s.loss.item(), s.outputs.float().pow(2).mean().item())))
+    probe = Probe(
+        after_loss=lambda s: losses.append((s.loss.item(), s.outputs.float().pow(2).mean().item()))
+    )
     train(tmp_path, [ReplaceLoss(), probe], max_duration="2ba", eval_interval=None)
     assert all(a == pytest.approx(b) for a, b in losses)
 
 
 def test_two_plugins_replacing_one_step_is_an_error_naming_both(tmp_path):
-    with pytest.raises(PluginError, match=r"'replace_loss'.*'replace_loss_too'.*compute_loss|'replace_loss_too'.*'replace_loss'.*compute_loss"):
+    with pytest.raises(
+        PluginError,
+        match=r"'replace_loss'.*'replace_loss_too'.*compute_loss|'replace_loss_too'.*'replace_loss'.*compute_loss",
+    ):
         train(tmp_path, [ReplaceLoss(), ReplaceLossToo()], max_duration="1ba")
 
 
@@ -155,7 +167,9 @@ def test_state_says_where_the_batch_is(tmp_path):
     seen = {}
 
     def at(name):
-        return lambda s: seen.setdefault(name, (s.batch[0].device.type, tuple(s.batch[0].shape), s.training))
+        return lambda s: seen.setdefault(
+            name, (s.batch[0].device.type, tuple(s.batch[0].shape), s.training)
+        )
 
     probe = Probe(batch_start=at("batch_start"), eval_batch_start=at("eval_batch_start"))
     train(tmp_path, [probe], max_duration="1ba")

@@ -60,7 +60,10 @@ def test_adafactor_and_no_decay_for_biases():
 
 
 def test_optimizer_errors():
-    with pytest.raises(ConfigError, match="optimizer.name 'lamb' is not supported; choose one of sgd, adamw, adafactor"):
+    with pytest.raises(
+        ConfigError,
+        match="optimizer.name 'lamb' is not supported; choose one of sgd, adamw, adafactor",
+    ):
         build_optimizer(torch.nn.Linear(2, 2), "lamb", 0.1)
     with pytest.raises(ConfigError, match="optimizer.impl=fused: Adafactor has no fused"):
         build_optimizer(torch.nn.Linear(2, 2), "adafactor", 0.1, impl="fused")

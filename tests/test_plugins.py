@@ -3,8 +3,8 @@
 import dataclasses
 
 import pytest
-from helpers import fake_distribution
 
+from helpers import fake_distribution
 from slipstream import Algorithm, ConfigError, PluginError
 from slipstream.plugins import build_config, discover, instantiate, resolve_order
 
@@ -33,7 +33,9 @@ BROKEN = "import a_module_that_does_not_exist_anywhere\n"
 def site(tmp_path, monkeypatch):
     site = tmp_path / "site"
     fake_distribution(site, "slipstream-shout", {"shout": "shout_mod:Shout"}, {"shout_mod": GOOD})
-    fake_distribution(site, "slipstream-broken", {"broken": "broken_mod:Broken"}, {"broken_mod": BROKEN})
+    fake_distribution(
+        site, "slipstream-broken", {"broken": "broken_mod:Broken"}, {"broken_mod": BROKEN}
+    )
     monkeypatch.syspath_prepend(str(site))
     return site
 
@@ -68,11 +70,16 @@ def test_unknown_algorithm_lists_installed_and_closest(site):
 def test_config_is_validated_before_the_run(site):
     cls = discover()["shout"].cls
     assert build_config(cls, {"volume": 5}).volume == 5
-    with pytest.raises(ConfigError, match=r"algorithms.shout: unknown key 'volum' \(did you mean 'volume'\?\); allowed keys: volume, word"):
+    with pytest.raises(
+        ConfigError,
+        match=r"algorithms.shout: unknown key 'volum' \(did you mean 'volume'\?\); allowed keys: volume, word",
+    ):
         build_config(cls, {"volum": 5})
     with pytest.raises(ConfigError, match=r"algorithms.shout.volume.*int"):
         build_config(cls, {"volume": "loud"})
-    with pytest.raises(ConfigError, match=r"algorithms.shout: volume must be between 0 and 10, got 11"):
+    with pytest.raises(
+        ConfigError, match=r"algorithms.shout: volume must be between 0 and 10, got 11"
+    ):
         build_config(cls, {"volume": 11})
 
 
@@ -85,7 +92,11 @@ def test_an_algorithm_without_config_rejects_options():
 
 
 def _algo(name, after=(), before=(), conflicts=()):
-    cls = type(name, (Algorithm,), {"name": name, "runs_after": after, "runs_before": before, "conflicts_with": conflicts})
+    cls = type(
+        name,
+        (Algorithm,),
+        {"name": name, "runs_after": after, "runs_before": before, "conflicts_with": conflicts},
+    )
     return cls()
 
 
@@ -107,7 +118,10 @@ def test_constraints_naming_absent_algorithms_are_ignored():
 
 def test_a_cycle_is_refused_naming_it():
     a, b = _algo("a", after=("b",)), _algo("b", after=("a",))
-    with pytest.raises(PluginError, match=r"cycle: (a must run after b must run after a|b must run after a must run after b)"):
+    with pytest.raises(
+        PluginError,
+        match=r"cycle: (a must run after b must run after a|b must run after a must run after b)",
+    ):
         resolve_order([a, b])
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from slipstream.results import (
     ResultsError,
     build_figure,

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from slipstream import Algorithm, State, hookimpl
 from torch import nn
+
+from slipstream import Algorithm, State, hookimpl
 
 
 @dataclass

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from slipstream import Algorithm, ConfigError, State, hookimpl
 from torch import nn
+
+from slipstream import Algorithm, ConfigError, State, hookimpl
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CURRICULUM = "image_size_curriculum"

@@ -67,7 +67,11 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     """Read a checkpoint written by Slipstream, or raise CheckpointError saying why not."""
     path = Path(path)
     if path.is_dir():
-        path = path / "checkpoints" / "latest.pt" if (path / "checkpoints").is_dir() else path / "latest.pt"
+        path = (
+            path / "checkpoints" / "latest.pt"
+            if (path / "checkpoints").is_dir()
+            else path / "latest.pt"
+        )
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:

@@ -1,10 +1,10 @@
 """The command line: a thin layer over the Python API.
 
-    slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [key=value ...]
-    slipstream algorithms [--json]
-    slipstream recipes [--json]
-    slipstream plot RUN_DIR [RUN_DIR ...] [-o runs.png]
-    slipstream compare RUN_DIR [RUN_DIR ...] [--json]
+slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [key=value ...]
+slipstream algorithms [--json]
+slipstream recipes [--json]
+slipstream plot RUN_DIR [RUN_DIR ...] [-o runs.png]
+slipstream compare RUN_DIR [RUN_DIR ...] [--json]
 """
 
 from __future__ import annotations
@@ -40,12 +40,27 @@ def _parser() -> argparse.ArgumentParser:
         help="train a model (the default recipe unless --recipe is given)",
         description="Train. Merge order: defaults < recipe < --algorithms < key=value overrides.",
     )
-    train.add_argument("--recipe", "-r", default=None, help="a bundled recipe name or a YAML path (default: 'default')")
     train.add_argument(
-        "--algorithms", "-a", default=None, help="comma-separated algorithms to add; 'no:NAME' removes one"
+        "--recipe",
+        "-r",
+        default=None,
+        help="a bundled recipe name or a YAML path (default: 'default')",
     )
-    train.add_argument("--quiet", "-q", action="store_true", help="no progress bar or summary table")
-    train.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.max_duration=5ep")
+    train.add_argument(
+        "--algorithms",
+        "-a",
+        default=None,
+        help="comma-separated algorithms to add; 'no:NAME' removes one",
+    )
+    train.add_argument(
+        "--quiet", "-q", action="store_true", help="no progress bar or summary table"
+    )
+    train.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides, e.g. trainer.max_duration=5ep",
+    )
 
     algos = sub.add_parser("algorithms", help="list installed algorithms")
     algos.add_argument("--json", action="store_true", help="machine-readable output")
@@ -55,9 +70,16 @@ def _parser() -> argparse.ArgumentParser:
 
     plot = sub.add_parser("plot", help="plot loss, accuracy, throughput, LR and image size of runs")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    plot.add_argument("--output", "-o", default=None, help="PNG path (default: RUN_DIR/plot.png for one run, runs.png otherwise)")
+    plot.add_argument(
+        "--output",
+        "-o",
+        default=None,
+        help="PNG path (default: RUN_DIR/plot.png for one run, runs.png otherwise)",
+    )
 
-    compare = sub.add_parser("compare", help="side-by-side table of runs (the first is the baseline)")
+    compare = sub.add_parser(
+        "compare", help="side-by-side table of runs (the first is the baseline)"
+    )
     compare.add_argument("runs", nargs="+", metavar="RUN_DIR")
     compare.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
@@ -135,8 +157,12 @@ def _algorithms(args: argparse.Namespace) -> int:
         (i.name, i.distribution, i.version, f"FAILED TO LOAD: {i.error}" if i.error else i.summary)
         for i in infos.values()
     ]
-    widths = [max(len(r[c]) for r in rows + [("name", "distribution", "version", "")]) for c in range(3)]
-    print(f"{'name':<{widths[0]}}  {'distribution':<{widths[1]}}  {'version':<{widths[2]}}  summary")
+    widths = [
+        max(len(r[c]) for r in rows + [("name", "distribution", "version", "")]) for c in range(3)
+    ]
+    print(
+        f"{'name':<{widths[0]}}  {'distribution':<{widths[1]}}  {'version':<{widths[2]}}  summary"
+    )
     for row in rows:
         print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}")
     return 0
@@ -147,7 +173,15 @@ def _recipes(args: argparse.Namespace) -> int:
 
     recipes = bundled()
     if args.json:
-        print(json.dumps([{"name": n, "path": str(p), "description": description(p)} for n, p in recipes.items()], indent=2))
+        print(
+            json.dumps(
+                [
+                    {"name": n, "path": str(p), "description": description(p)}
+                    for n, p in recipes.items()
+                ],
+                indent=2,
+            )
+        )
         return 0
     width = max((len(n) for n in recipes), default=4)
     for name, path in recipes.items():

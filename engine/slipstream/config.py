@@ -108,7 +108,9 @@ def load_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"recipe {path} must be a mapping with model/data/optimizer/trainer/algorithms sections")
+        raise ConfigError(
+            f"recipe {path} must be a mapping with model/data/optimizer/trainer/algorithms sections"
+        )
     parent = raw.pop("extends", None)
     check_keys(raw, source=str(path))
     if parent is None:
@@ -129,7 +131,9 @@ def check_keys(cfg: dict[str, Any], source: str) -> None:
             )
         if section == "algorithms":
             if values is not None and not isinstance(values, dict):
-                raise ConfigError(f"{source}: 'algorithms' must map algorithm names to their options")
+                raise ConfigError(
+                    f"{source}: 'algorithms' must map algorithm names to their options"
+                )
             continue
         if values is None:
             continue
@@ -162,7 +166,9 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """Dotted ``key=value`` pairs as a nested dict (values parsed as YAML)."""
     for item in overrides:
         if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override {item!r} must look like key=value, e.g. trainer.max_duration=5ep")
+            raise ConfigError(
+                f"override {item!r} must look like key=value, e.g. trainer.max_duration=5ep"
+            )
     try:
         return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
@@ -228,7 +234,9 @@ def validate(cfg: DictConfig) -> None:
         except DurationError as exc:
             raise ConfigError(f"{dotted}: {exc}") from None
         if dotted == "trainer.max_duration" and d.unit == "dur":
-            raise ConfigError("trainer.max_duration: 'dur' is relative to the run itself; use ep, ba, sp or a wall-clock time")
+            raise ConfigError(
+                "trainer.max_duration: 'dur' is relative to the run itself; use ep, ba, sp or a wall-clock time"
+            )
         if d.value <= 0:
             raise ConfigError(f"{dotted}: must be positive, got {value!r}")
     if cfg.data.batch_size < 1:
@@ -240,7 +248,9 @@ def validate(cfg: DictConfig) -> None:
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
     if cfg.trainer.log_interval < 1:
-        raise ConfigError(f"trainer.log_interval must be at least 1 batch, got {cfg.trainer.log_interval}")
+        raise ConfigError(
+            f"trainer.log_interval must be at least 1 batch, got {cfg.trainer.log_interval}"
+        )
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -19,7 +19,9 @@ def resolve_device(name: str | None = "auto") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         from .errors import ConfigError
 
-        raise ConfigError(f"trainer.device={name!r} but CUDA is not available here; use 'cpu' or 'auto'")
+        raise ConfigError(
+            f"trainer.device={name!r} but CUDA is not available here; use 'cpu' or 'auto'"
+        )
     return device
 
 

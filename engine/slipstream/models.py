@@ -52,7 +52,9 @@ def build_model(
         model = _build_timm(bare, num_classes, image_size, pretrained, kwargs)
     elif source in ("", "torchvision") and bare in _torchvision_names():
         weights = "DEFAULT" if pretrained else None
-        model = torchvision.models.get_model(bare, weights=weights, num_classes=num_classes, **kwargs)
+        model = torchvision.models.get_model(
+            bare, weights=weights, num_classes=num_classes, **kwargs
+        )
     else:
         names = _timm_names() + _torchvision_names()
         raise ConfigError(
@@ -73,7 +75,9 @@ def is_timm_vit(name: str) -> bool:
     return entrypoint.__module__.rsplit(".", 1)[-1] in _VIT_MODULES
 
 
-def _build_timm(name: str, num_classes: int, image_size: int | None, pretrained: bool, kwargs: dict) -> nn.Module:
+def _build_timm(
+    name: str, num_classes: int, image_size: int | None, pretrained: bool, kwargs: dict
+) -> nn.Module:
     kwargs = dict(kwargs)
     if is_timm_vit(name):
         kwargs.setdefault("dynamic_img_size", True)

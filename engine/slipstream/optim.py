@@ -27,7 +27,9 @@ def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
         from timm.optim import Adafactor  # older torch
 
         return Adafactor
-    raise ConfigError(f"optimizer.name {name!r} is not supported; choose one of {', '.join(OPTIMIZERS)}")
+    raise ConfigError(
+        f"optimizer.name {name!r} is not supported; choose one of {', '.join(OPTIMIZERS)}"
+    )
 
 
 def _impl_kwargs(cls: type, impl: str, device: torch.device) -> dict[str, Any]:
@@ -46,7 +48,9 @@ def _impl_kwargs(cls: type, impl: str, device: torch.device) -> dict[str, Any]:
         return {"fused": True}
     if "foreach" not in params:
         if impl == "foreach":
-            raise ConfigError(f"optimizer.impl=foreach: {cls.__name__} has no foreach implementation")
+            raise ConfigError(
+                f"optimizer.impl=foreach: {cls.__name__} has no foreach implementation"
+            )
         return {}
     return {"foreach": impl == "foreach"}
 

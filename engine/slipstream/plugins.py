@@ -4,7 +4,8 @@ and resolve the one order a run uses."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -27,6 +28,24 @@ class AlgorithmInfo:
     target: str  # "module:attr", as the entry point declares it
     cls: type[Algorithm] | None = None
     error: str | None = None
+    entry_point: Any = field(default=None, repr=False, compare=False)
+
+    def load(self) -> None:
+        """Import the entry point once, recording a failure instead of raising it."""
+        if self.entry_point is None:
+            return
+        ep, self.entry_point = self.entry_point, None
+        try:
+            cls = ep.load()
+        except Exception as exc:  # a plugin's import may fail in any way
+            self.error = f"{type(exc).__name__}: {exc}"
+            return
+        if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+            self.error = f"{ep.value} is not a subclass of slipstream.Algorithm"
+        elif cls.name != ep.name:
+            self.error = f"{ep.value} is named {cls.name!r} but registered as {ep.name!r}"
+        else:
+            self.cls = cls
 
     @property
     def summary(self) -> str:
@@ -43,9 +62,11 @@ class AlgorithmInfo:
         }
 
 
-def discover() -> dict[str, AlgorithmInfo]:
-    """Every installed algorithm, loaded; a failed import is recorded, not raised,
-    so that one broken plugin does not hide the others."""
+def discover(load: bool = True) -> dict[str, AlgorithmInfo]:
+    """Every installed algorithm; with ``load``, imported too. A failed import is
+    recorded, not raised, so that one broken plugin does not hide the others.
+    ``load=False`` defers imports to :func:`algorithm_class`, so a run imports
+    only the plugins it uses."""
     found: dict[str, AlgorithmInfo] = {}
     for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         dist = getattr(ep, "dist", None)
@@ -54,6 +75,7 @@ def discover() -> dict[str, AlgorithmInfo]:
             distribution=dist.metadata["Name"] if dist is not None else "unknown",
             version=dist.version if dist is not None else "unknown",
             target=ep.value,
+            entry_point=ep,
         )
         if ep.name in found:
             other = found[ep.name]
@@ -63,19 +85,11 @@ def discover() -> dict[str, AlgorithmInfo]:
                 f"the name {ep.name!r} is registered by two distributions: "
                 f"{other.distribution} and {info.distribution}; uninstall one"
             )
+            other.entry_point = None
             continue
-        try:
-            cls = ep.load()
-        except Exception as exc:  # a plugin's import may fail in any way
-            info.error = f"{type(exc).__name__}: {exc}"
-        else:
-            if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-                info.error = f"{ep.value} is not a subclass of slipstream.Algorithm"
-            elif cls.name != ep.name:
-                info.error = f"{ep.value} is named {cls.name!r} but registered as {ep.name!r}"
-            else:
-                info.cls = cls
         found[ep.name] = info
+        if load:
+            info.load()
     return found
 
 
@@ -88,6 +102,7 @@ def algorithm_class(name: str, installed: dict[str, AlgorithmInfo]) -> type[Algo
             f"unknown algorithm {name!r}{did_you_mean(name, installed)}; "
             f"installed algorithms: {listing}"
         )
+    info.load()
     if info.cls is None:
         raise PluginError(
             f"algorithm {name!r} (distribution {info.distribution} {info.version}, "
@@ -188,19 +203,26 @@ def _find_cycle(pending: dict[str, set[str]], done: list[str]) -> str:
         path.append(nxt)
 
 
-def distribution_of(algo: Algorithm, installed: dict[str, AlgorithmInfo] | None = None) -> tuple[str, str]:
+def distribution_of(
+    algo: Algorithm, installed: dict[str, AlgorithmInfo] | None = None
+) -> tuple[str, str]:
     """(distribution, version) for an algorithm instance, for checkpoints and summaries."""
     if installed:
         info = installed.get(algo.name)
         if info is not None and info.cls is type(algo):
             return info.distribution, info.version
     top = type(algo).__module__.split(".")[0]
-    for dist_name in metadata.packages_distributions().get(top, []):
+    for dist_name in _packages_distributions().get(top, []):
         try:
             return dist_name, metadata.version(dist_name)
         except metadata.PackageNotFoundError:
             continue
     return "unknown", "unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def _packages_distributions() -> dict[str, list[str]]:
+    return metadata.packages_distributions()  # scans every installed package: once
 
 
 def config_as_dict(algo: Algorithm) -> dict[str, Any]:

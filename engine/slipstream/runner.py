@@ -38,7 +38,7 @@ def build_trainer(
 ) -> Trainer:
     """Everything is validated (algorithms, data, model, optimizer) before the
     run directory is touched, so a bad config costs nothing."""
-    installed = discover() if installed is None else installed
+    installed = discover(load=False) if installed is None else installed
     algorithms = instantiate(dict(to_dict(cfg.algorithms)), installed)
     t, d, m, o = cfg.trainer, cfg.data, cfg.model, cfg.optimizer
     if t.threads:
@@ -75,10 +75,16 @@ def build_trainer(
         train_set, batch_size=d.batch_size, shuffle=True, drop_last=d.drop_last, **loader_options
     )
     eval_loader = build_loader(
-        val_set, batch_size=d.eval_batch_size or 2 * d.batch_size, shuffle=False, drop_last=False, **loader_options
+        val_set,
+        batch_size=d.eval_batch_size or 2 * d.batch_size,
+        shuffle=False,
+        drop_last=False,
+        **loader_options,
     )
     if m.num_classes is not None and m.num_classes != num_classes:
-        raise ConfigError(f"model.num_classes={m.num_classes} but the dataset {d.name!r} has {num_classes} classes")
+        raise ConfigError(
+            f"model.num_classes={m.num_classes} but the dataset {d.name!r} has {num_classes} classes"
+        )
     model = build_model(
         m.name,
         num_classes,

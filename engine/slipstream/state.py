@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -171,7 +172,9 @@ class State:
         return None
 
     def is_done(self) -> bool:
-        return self.stop_requested or self.time_in(self.max_duration.unit) >= self.max_duration.value
+        return (
+            self.stop_requested or self.time_in(self.max_duration.unit) >= self.max_duration.value
+        )
 
     def plugin_stash(self, name: str) -> dict[str, Any]:
         return self.stash.setdefault(name, {})

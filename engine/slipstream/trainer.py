@@ -10,11 +10,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pluggy
 import torch
@@ -27,7 +27,14 @@ from .checkpoint import load_checkpoint, rng_state, set_rng_state
 from .distributed import init_distributed, is_distributed, resolve_device
 from .duration import Duration
 from .errors import CheckpointError, ConfigError, PluginError
-from .plugins import AlgorithmInfo, config_as_dict, discover, distribution_of, instantiate, resolve_order
+from .plugins import (
+    AlgorithmInfo,
+    config_as_dict,
+    discover,
+    distribution_of,
+    instantiate,
+    resolve_order,
+)
 from .services import (
     Checkpointer,
     DefaultSteps,
@@ -86,9 +93,12 @@ class Trainer:
         rank, world_size = init_distributed(self.device)
         self.max_duration = Duration.parse(max_duration)
         if self.max_duration.unit == "dur":
-            raise ConfigError("max_duration cannot be in 'dur'; use ep, ba, sp or a wall-clock time")
+            raise ConfigError(
+                "max_duration cannot be in 'dur'; use ep, ba, sp or a wall-clock time"
+            )
         self.installed = installed
         self.algorithms = resolve_order(self._as_algorithms(algorithms))
+        self._distributions = {a.name: distribution_of(a, self.installed) for a in self.algorithms}
         self.config = config or {}
         self.verbose = verbose and rank == 0
         self.load_path = Path(load_path) if load_path else None
@@ -135,7 +145,7 @@ class Trainer:
             if isinstance(item, Algorithm):
                 built.append(item)
             elif isinstance(item, str):
-                self.installed = self.installed if self.installed is not None else discover()
+                self.installed = self.installed if self.installed is not None else discover(load=False)
                 built.extend(instantiate({item: None}, self.installed))
             else:
                 raise PluginError(f"{item!r} is not an Algorithm instance or an algorithm name")
@@ -150,8 +160,12 @@ class Trainer:
                 n += 1
                 run_dir = Path("runs") / f"run-{stamp}-{n}"
         run_dir = Path(run_dir)
-        previous = [n for n in ("metrics.jsonl", "summary.json", "checkpoints") if (run_dir / n).exists()]
-        resuming_here = self.load_path is not None and run_dir.resolve() in self.load_path.resolve().parents
+        previous = [
+            n for n in ("metrics.jsonl", "summary.json", "checkpoints") if (run_dir / n).exists()
+        ]
+        resuming_here = (
+            self.load_path is not None and run_dir.resolve() in self.load_path.resolve().parents
+        )
         if previous and not (overwrite or resuming_here):
             raise ConfigError(
                 f"run directory {run_dir} already holds a run ({', '.join(previous)}); "
@@ -160,7 +174,16 @@ class Trainer:
             )
         return run_dir
 
-    def _register(self, *, normalize, eval_interval, log_interval, checkpoint_interval, checkpoint_keep, progress_bar) -> None:
+    def _register(
+        self,
+        *,
+        normalize,
+        eval_interval,
+        log_interval,
+        checkpoint_interval,
+        checkpoint_keep,
+        progress_bar,
+    ) -> None:
         # pluggy calls the last registered plugin first. Services go in first so
         # that, at each event, algorithms act before the engine records the result.
         write = self.state.rank == 0
@@ -169,12 +192,18 @@ class Trainer:
         self.summary_writer = SummaryWriter(self.run_dir, self._build_summary, write=write)
         self.pm.register(self.summary_writer, name=SummaryWriter.name)
         self.checkpointer = Checkpointer(
-            self.run_dir, self._checkpoint_payload, checkpoint_interval, checkpoint_keep, write=write
+            self.run_dir,
+            self._checkpoint_payload,
+            checkpoint_interval,
+            checkpoint_keep,
+            write=write,
         )
         self.pm.register(self.checkpointer, name=Checkpointer.name)
         if progress_bar and write:
             self.pm.register(ProgressBar(), name=ProgressBar.name)
-        self.pm.register(MetricsLogger(self.run_dir, log_interval, write=write), name=MetricsLogger.name)
+        self.pm.register(
+            MetricsLogger(self.run_dir, log_interval, write=write), name=MetricsLogger.name
+        )
         self.evaluator = Evaluator(self.pm.hook, eval_interval)
         self.pm.register(self.evaluator, name=Evaluator.name)
         if normalize is not None:
@@ -217,7 +246,9 @@ class Trainer:
         if state.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if self.config:
-                (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config, sort_keys=False))
+                (self.run_dir / "config.yaml").write_text(
+                    yaml.safe_dump(self.config, sort_keys=False)
+                )
         if self.verbose:
             order = " -> ".join(a.name for a in self.algorithms) or "none"
             print(f"slipstream: algorithms in order: {order}", file=sys.stderr)
@@ -280,8 +311,12 @@ class Trainer:
                 if state.is_done():
                     break
             if not seen_any and ts.batch_in_epoch == 0:
-                raise ConfigError("the training data yielded no batches; check the dataset and batch size")
-            epoch_complete = state.batches_per_epoch is None or ts.batch_in_epoch >= state.batches_per_epoch
+                raise ConfigError(
+                    "the training data yielded no batches; check the dataset and batch size"
+                )
+            epoch_complete = (
+                state.batches_per_epoch is None or ts.batch_in_epoch >= state.batches_per_epoch
+            )
             if not state.is_done() or epoch_complete:
                 ts.epoch += 1
                 ts.batch_in_epoch = 0
@@ -303,7 +338,9 @@ class Trainer:
         return iterator
 
     def _wrap_distributed(self) -> None:
-        if not is_distributed() or isinstance(self.state.model, nn.parallel.DistributedDataParallel):
+        if not is_distributed() or isinstance(
+            self.state.model, nn.parallel.DistributedDataParallel
+        ):
             return
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.state.model = nn.parallel.DistributedDataParallel(self.state.model, device_ids=ids)
@@ -324,16 +361,21 @@ class Trainer:
     def _algorithm_records(self) -> list[dict[str, Any]]:
         records = []
         for algo in self.algorithms:
-            dist, version = distribution_of(algo, self.installed)
+            dist, version = self._distributions[algo.name]
             records.append(
-                {"name": algo.name, "version": version, "distribution": dist, "config": config_as_dict(algo)}
+                {
+                    "name": algo.name,
+                    "version": version,
+                    "distribution": dist,
+                    "config": config_as_dict(algo),
+                }
             )
         return records
 
     def _checkpoint_payload(self, state: State) -> dict[str, Any]:
         plugins = {
             record["name"]: {**record, "state": algo.state_dict()}
-            for algo, record in zip(self.algorithms, self._algorithm_records())
+            for algo, record in zip(self.algorithms, self._algorithm_records(), strict=True)
         }
         return {
             "model": state.unwrapped_model.state_dict(),
@@ -358,8 +400,10 @@ class Trainer:
         try:
             state.optimizer.load_state_dict(payload["optimizer"])
         except (ValueError, KeyError) as exc:
-            raise CheckpointError(f"checkpoint {path}: optimizer state does not fit: {exc}") from None
-        for scheduler, saved in zip(state.schedulers, payload.get("schedulers", [])):
+            raise CheckpointError(
+                f"checkpoint {path}: optimizer state does not fit: {exc}"
+            ) from None
+        for scheduler, saved in zip(state.schedulers, payload.get("schedulers", []), strict=False):
             scheduler.load_state_dict(saved)
         saved_plugins = payload.get("plugins", {})
         for algo in self.algorithms:
@@ -367,16 +411,24 @@ class Trainer:
                 algo.load_state_dict(saved_plugins[algo.name]["state"])
         missing = sorted(set(saved_plugins) - {a.name for a in self.algorithms})
         if missing and self.verbose:
-            print(f"slipstream: checkpoint state of {', '.join(missing)} not used (not in this run)", file=sys.stderr)
+            print(
+                f"slipstream: checkpoint state of {', '.join(missing)} not used (not in this run)",
+                file=sys.stderr,
+            )
         state.timestamp.load_state_dict(payload["timestamp"])
         set_rng_state(payload["rng"])
         if self.verbose:
             ts = state.timestamp
-            print(f"slipstream: resumed from {path} at epoch {ts.epoch}, batch {ts.batch}", file=sys.stderr)
+            print(
+                f"slipstream: resumed from {path} at epoch {ts.epoch}, batch {ts.batch}",
+                file=sys.stderr,
+            )
 
     def _build_summary(self, state: State, status: str) -> dict[str, Any]:
         ts = state.timestamp
-        session_s = max(ts.elapsed_s - state._elapsed_before - state.summary.get("eval_time_s", 0.0), 1e-9)
+        session_s = max(
+            ts.elapsed_s - state._elapsed_before - state.summary.get("eval_time_s", 0.0), 1e-9
+        )
         session_samples = ts.samples - getattr(self, "_session_samples", 0)
         return {
             "status": status,

@@ -5,7 +5,16 @@ from __future__ import annotations
 import platform
 from importlib import metadata
 
-_LIBRARIES = ("slipstream", "torch", "torchvision", "timm", "pluggy", "omegaconf", "kornia", "numpy")
+_LIBRARIES = (
+    "slipstream",
+    "torch",
+    "torchvision",
+    "timm",
+    "pluggy",
+    "omegaconf",
+    "kornia",
+    "numpy",
+)
 
 
 def library_versions() -> dict[str, str]:

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
-from importlib import metadata
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import Probe, tiny_loaders, tiny_model, train
-from slipstream import ConfigError, Trainer
-from slipstream.plugins import build_config, discover
 from slipstream_channels_last import (
     ChannelsLast,
     ChannelsLastConfig,
@@ -21,18 +16,11 @@ from slipstream_channels_last import (
     to_channels_last,
 )
 
+from helpers import Probe, tiny_loaders, tiny_model, train
+from slipstream import ConfigError, Trainer
+from slipstream.plugins import build_config, discover
+
 CL = torch.channels_last
-
-
-_packages_distributions = functools.cache(metadata.packages_distributions)
-
-
-@pytest.fixture(autouse=True)
-def _cache_distribution_lookup(monkeypatch):
-    # The engine looks up the distribution of every unregistered algorithm (our
-    # probes) with metadata.packages_distributions() at each checkpoint and summary,
-    # ~0.5 s a call here; caching it keeps this file fast. Behaviour is unchanged.
-    monkeypatch.setattr(metadata, "packages_distributions", _packages_distributions)
 
 
 def _spatial_conv_weights(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -7,18 +7,13 @@ generation, ~1 s) and a small CNN; one Inductor test is opt-in (see below).
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterator
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import Probe, tiny_loaders
-from slipstream import Algorithm, ConfigError, Trainer, hookimpl
-from slipstream.plugins import build_config, discover
 from slipstream_channels_last import ChannelsLast
 from slipstream_torch_compile import (
     TorchCompile,
@@ -29,20 +24,18 @@ from slipstream_torch_compile import (
 )
 from torch import nn
 
+from helpers import Probe, tiny_loaders
+from slipstream import Algorithm, ConfigError, Trainer, hookimpl
+from slipstream.plugins import build_config, discover
+
 OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
 
 
-_packages_distributions = functools.cache(metadata.packages_distributions)
-
-
 @pytest.fixture(autouse=True)
-def _fresh_dynamo(monkeypatch):
+def _fresh_dynamo():
     # Dynamo caches compiled code per function across model instances: without a
     # reset, a test would reuse the previous test's graphs and compile nothing.
     torch._dynamo.reset()
-    # The engine looks up the distribution of unregistered algorithms (our probes)
-    # at every checkpoint and summary, ~0.5 s a call here; cache it.
-    monkeypatch.setattr(metadata, "packages_distributions", _packages_distributions)
     yield
     torch._dynamo.reset()
 

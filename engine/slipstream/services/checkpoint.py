@@ -6,8 +6,9 @@ Files go to ``RUN_DIR/checkpoints/ep{E}-ba{B}.pt``; the newest is also
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..checkpoint import save_checkpoint
 from ..duration import Duration

@@ -73,7 +73,9 @@ class Evaluator:
                 state.batch = to_device(batch, state.device)
                 hooks.eval_batch_start(state=state)
                 state.outputs = hooks.forward(state=state)
-                logits = state.outputs[0] if isinstance(state.outputs, (tuple, list)) else state.outputs
+                logits = (
+                    state.outputs[0] if isinstance(state.outputs, (tuple, list)) else state.outputs
+                )
                 targets = state.batch[1]
                 totals[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
                 totals[1] += (logits.argmax(dim=1) == targets).sum()
@@ -94,5 +96,7 @@ class Evaluator:
         best = max(state.summary.get("best_accuracy") or 0.0, state.eval_metrics["accuracy"])
         state.summary["best_accuracy"] = best
         # Throughput in summary.json is training throughput: evaluation is set apart.
-        state.summary["eval_time_s"] = state.summary.get("eval_time_s", 0.0) + time.perf_counter() - started
+        state.summary["eval_time_s"] = (
+            state.summary.get("eval_time_s", 0.0) + time.perf_counter() - started
+        )
         return state.eval_metrics

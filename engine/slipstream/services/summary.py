@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..hookspecs import hookimpl
 from ..state import State
@@ -13,7 +14,12 @@ from ..state import State
 class SummaryWriter:
     name = "engine.summary"
 
-    def __init__(self, run_dir: Path, build_summary: Callable[[State, str], dict[str, Any]], write: bool = True) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        build_summary: Callable[[State, str], dict[str, Any]],
+        write: bool = True,
+    ) -> None:
         self.path = Path(run_dir) / "summary.json"
         self.build_summary = build_summary
         self.write = write
