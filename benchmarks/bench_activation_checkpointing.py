@@ -18,10 +18,11 @@ from collections.abc import Callable
 import timm
 import torch
 import torchvision
-from common import compare, parser, random_loader, report
-from slipstream import Duration, State
 from slipstream_activation_checkpointing import ActivationCheckpointing
 from torch import nn
+
+from common import compare, parser, random_loader, report
+from slipstream import Duration, State
 
 
 def variants(build: Callable[[], nn.Module]) -> dict:

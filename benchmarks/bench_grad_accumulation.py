@@ -13,8 +13,9 @@ import math
 
 import timm
 import torch
-from common import compare, parser, random_loader
 from slipstream_grad_accumulation import GradAccumulation, GradAccumulationConfig
+
+from common import compare, parser, random_loader
 
 
 def main() -> None:
@@ -37,9 +38,7 @@ def main() -> None:
     def build(algorithms):
         def variant():
             torch.manual_seed(0)
-            model = timm.create_model(
-                "vit_tiny_patch16_224", num_classes=10, img_size=args.image_size
-            )
+            model = timm.create_model("vit_tiny_patch16_224", num_classes=10, img_size=args.image_size)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             return model, optimizer, algorithms()
 

@@ -10,19 +10,13 @@ process. The ratio should stay close to 1.
 
 from __future__ import annotations
 
-import functools
-from importlib import metadata
 from typing import Any
 
 import torch
-from common import compare, parser, random_loader, report
-from slipstream.models import build_model
 from slipstream_grad_clipping import GradClipping, GradClippingConfig
 
-# The engine looks up the distribution of every algorithm instance for each summary
-# through packages_distributions(), which rescans all installed files (seconds on a
-# busy machine, outside the timed steps but inside the wall time): compute it once.
-metadata.packages_distributions = functools.cache(metadata.packages_distributions)
+from common import compare, parser, random_loader, report
+from slipstream.models import build_model
 
 
 def bench(model_name: str, size: int, batch: int, args: Any, **model_kwargs: Any) -> None:

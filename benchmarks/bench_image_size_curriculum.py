@@ -19,19 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from slipstream_image_size_curriculum import ImageSizeCurriculum, ImageSizeCurriculumConfig
+
 from common import compare, parser, random_loader, report
 from slipstream import Algorithm, Trainer
 from slipstream.data import DATASET_STATS, build_datasets, build_loader
 from slipstream.models import build_model
 from slipstream.optim import build_optimizer
-from slipstream_image_size_curriculum import ImageSizeCurriculum, ImageSizeCurriculumConfig
 
 
 def held_at_half() -> ImageSizeCurriculum:
     """The plugin resizing every batch to half size (its initial scale, never left)."""
-    return ImageSizeCurriculum(
-        ImageSizeCurriculumConfig(initial_scale=0.5, delay=1.0, finetune=0.0)
-    )
+    return ImageSizeCurriculum(ImageSizeCurriculumConfig(initial_scale=0.5, delay=1.0, finetune=0.0))
 
 
 def step_times(model_name: str, full: int, batch: int, args: Any) -> None:
@@ -117,20 +116,14 @@ def print_runs(title: str, runs: dict[str, dict[str, Any]]) -> None:
 
 def whole_run(args: Any) -> None:
     size = 32
-    sizes = (
-        dict(train_size=200, val_size=100) if args.quick else dict(train_size=2500, val_size=500)
-    )
+    sizes = dict(train_size=200, val_size=100) if args.quick else dict(train_size=2500, val_size=500)
     epochs = 1 if args.quick else args.epochs
     runs = {}
     for name, algorithms in (("fixed 32 px", []), ("curriculum (linear)", [ImageSizeCurriculum()])):
         torch.manual_seed(0)
         model = build_model(args.run_model, 10, image_size=size)
-        optimizer = build_optimizer(
-            model, "sgd", 0.1, weight_decay=5e-4, momentum=0.9, nesterov=True
-        )
-        runs[name] = synthetic_run(
-            model, optimizer, algorithms, image_size=size, epochs=epochs, batch_size=64, **sizes
-        )
+        optimizer = build_optimizer(model, "sgd", 0.1, weight_decay=5e-4, momentum=0.9, nesterov=True)
+        runs[name] = synthetic_run(model, optimizer, algorithms, image_size=size, epochs=epochs, batch_size=64, **sizes)
     print_runs(f"(b) {args.run_model} on synthetic {size} px, {epochs} epochs, {sizes}", runs)
 
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from slipstream_locality_ffn import LocalityFFN
+
 from bench_image_size_curriculum import print_runs, synthetic_run
 from common import compare, parser, random_loader, report
 from slipstream.models import build_model
 from slipstream.optim import build_optimizer
-from slipstream_locality_ffn import LocalityFFN
 
 SMALL_VIT = dict(patch_size=4, embed_dim=96, depth=6, num_heads=3)
 
@@ -52,18 +53,14 @@ def step_cost(model_name: str, size: int, batch: int, kwargs: dict, args: Any) -
 
 
 def whole_run(args: Any) -> None:
-    sizes = (
-        dict(train_size=200, val_size=100) if args.quick else dict(train_size=2500, val_size=500)
-    )
+    sizes = dict(train_size=200, val_size=100) if args.quick else dict(train_size=2500, val_size=500)
     epochs = 1 if args.quick else args.epochs
     runs = {}
     for name, algorithms in (("ViT", []), ("ViT + locality_ffn", [LocalityFFN()])):
         torch.manual_seed(0)
         model = build_model("vit_tiny_patch16_224", 10, image_size=32, **SMALL_VIT)
         optimizer = build_optimizer(model, "adamw", 2e-3, weight_decay=0.05)
-        runs[name] = synthetic_run(
-            model, optimizer, algorithms, image_size=32, epochs=epochs, batch_size=64, **sizes
-        )
+        runs[name] = synthetic_run(model, optimizer, algorithms, image_size=32, epochs=epochs, batch_size=64, **sizes)
     print_runs(f"(b) small ViT {SMALL_VIT} on synthetic 32 px, {epochs} epochs, {sizes}", runs)
 
 

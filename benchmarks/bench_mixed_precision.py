@@ -6,28 +6,22 @@ Slipstream Trainer without and with the mixed_precision plugin. The plugin shoul
 deliver the plain loop's speed-up (within 5 %). ResNets are timm's, with the ImageNet
 stem (7x7 stride-2 conv + max-pool), not a CIFAR stem.
 
-    .venv/bin/python benchmarks/bench_mixed_precision.py            # ~3 min idle
-    .venv/bin/python benchmarks/bench_mixed_precision.py --resnet50 # + ResNet-50 at 96 px
+    .venv/bin/python benchmarks/bench_mixed_precision.py            # ResNet-18 and ViT-tiny
+    .venv/bin/python benchmarks/bench_mixed_precision.py --models resnet18,vit_tiny,resnet50
     .venv/bin/python benchmarks/bench_mixed_precision.py --quick
 """
 
 from __future__ import annotations
 
-import functools
 import time
-from importlib import metadata
 from typing import Any
 
 import torch
-from common import Result, parser, random_loader, report, run_variant
-from slipstream.models import build_model
 from slipstream_mixed_precision import MixedPrecision, MixedPrecisionConfig
 from torch.utils.data import DataLoader
 
-# The engine looks up the distribution of every algorithm instance for each summary
-# through packages_distributions(), which rescans all installed files (seconds on a
-# busy machine, outside the timed steps but inside the wall time): compute it once.
-metadata.packages_distributions = functools.cache(metadata.packages_distributions)
+from common import Result, parser, random_loader, report, run_variant
+from slipstream.models import build_model
 
 
 def build(model_name: str, size: int, dtype: str | None, **model_kwargs: Any):
@@ -91,9 +85,18 @@ def bench(model_name: str, size: int, batch: int, args: Any, **model_kwargs: Any
     return engine / plain
 
 
+# --models key: (timm name, image size, batch size)
+MODELS = {
+    "resnet18": ("resnet18", 32, 128),
+    "vit_tiny": ("vit_tiny_patch16_224", 224, 8),
+    "resnet50": ("resnet50", 96, 32),
+}
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--resnet50", action="store_true", help="also ResNet-50 at 96 px (~+2 min)")
+    p.add_argument("--models", default="resnet18,vit_tiny",
+                   help="comma-separated, from: " + ", ".join(MODELS))
     p.set_defaults(steps=8, warmup=2, repeats=3)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -102,10 +105,9 @@ def main() -> None:
         bench("resnet18", 32, 32, args)
         bench("vit_tiny_patch16_224", 64, 4, args)
         return
-    bench("resnet18", 32, 128, args)
-    bench("vit_tiny_patch16_224", 224, 8, args)
-    if args.resnet50:
-        bench("resnet50", 96, 32, args)
+    for key in args.models.split(","):
+        name, size, batch = MODELS[key]
+        bench(name, size, batch, args)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def test_synthetic_same_scene_at_every_resolution() -> None:
 
 
 def test_synthetic_stats_match_rendering() -> None:
-    images = SyntheticShapes(500, image_size=16).images.float() / 255
+    images = SyntheticShapes(400, image_size=16).images.float() / 255
     mean, std = DATASET_STATS["synthetic"]
     assert torch.allclose(images.mean((0, 2, 3)), torch.tensor(mean), atol=0.03)
     assert torch.allclose(images.std((0, 2, 3)), torch.tensor(std), atol=0.03)
@@ -464,9 +464,11 @@ def test_loader_worker_rng_depends_on_seed_and_epoch() -> None:
         loader.sampler.set_epoch(epoch)
         return torch.cat(list(loader)).tolist()
 
-    assert draws(0, 0) == draws(0, 0)
-    assert draws(0, 0) != draws(0, 1)
-    assert draws(0, 0) != draws(1, 0)
+    reference = draws(0, 0)
+    assert len(set(reference)) == len(reference)  # the two workers draw differently
+    assert draws(0, 0) == reference
+    assert draws(0, 1) != reference
+    assert draws(1, 0) != reference
 
 
 def test_eval_loader_covers_every_sample_once(small_synthetic: SyntheticShapes) -> None:

@@ -26,9 +26,10 @@ from functools import partial
 from typing import Any, Optional
 
 import torch
-from slipstream import Algorithm, ConfigError, State, hookimpl
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from slipstream import Algorithm, ConfigError, State, hookimpl
 
 MODES = ("auto", "timm", "modules")
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)

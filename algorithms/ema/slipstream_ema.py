@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from slipstream import Algorithm, ConfigError, Duration, DurationError, State, hookimpl
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
+
+from slipstream import Algorithm, ConfigError, Duration, DurationError, State, hookimpl
 
 DEFAULT_DECAY = 0.999
 
@@ -188,8 +189,10 @@ class EMA(Algorithm):
         self._backup = [t.detach().clone() for t in live]
         self._copy_into(live, _tensors(self.ema_model, buffers))
         state.summary["ema"] = True
-        if self.last_decay is not None:
-            state.summary["ema_decay"] = self.last_decay
+        if self.half_life_batches is not None:
+            state.summary["ema_half_life_batches"] = self.half_life_batches
+        else:
+            state.summary["ema_decay"] = self.decay
 
     @hookimpl
     def eval_end(self, state: State) -> None:

@@ -15,8 +15,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from slipstream import Algorithm, State, hookimpl
 from torch import nn
+
+from slipstream import Algorithm, State, hookimpl
 
 
 @dataclass
@@ -25,9 +26,7 @@ class GradAccumulationConfig:
 
     def __post_init__(self) -> None:
         if self.steps < 1:
-            raise ValueError(
-                f"steps must be an integer >= 1 (batches per optimizer step), got {self.steps}"
-            )
+            raise ValueError(f"steps must be an integer >= 1 (batches per optimizer step), got {self.steps}")
 
 
 class AccumulationPlan(NamedTuple):
@@ -35,9 +34,7 @@ class AccumulationPlan(NamedTuple):
     step: bool  # whether the optimizer steps after this batch
 
 
-def accumulation_plan(
-    position: int, steps: int, batches_left: int | None = None
-) -> AccumulationPlan:
+def accumulation_plan(position: int, steps: int, batches_left: int | None = None) -> AccumulationPlan:
     """What to do with the batch at ``position`` (0-based) when groups of ``steps``
     batches start at multiples of ``steps``.
 
@@ -64,9 +61,7 @@ def _batches_left(state: State) -> int | None:
     ts, total = state.timestamp, state.max_duration
     bpe = state.batches_per_epoch
     left = [bpe - ts.batch_in_epoch] if bpe else []
-    per_batch = {"ba": 1.0, "ep": 1.0 / bpe if bpe else None, "sp": state.global_batch_size}.get(
-        total.unit
-    )
+    per_batch = {"ba": 1.0, "ep": 1.0 / bpe if bpe else None, "sp": state.global_batch_size}.get(total.unit)
     if per_batch:  # a wall-clock run's end cannot be foreseen
         left.append(math.ceil((total.value - state.time_in(total.unit)) / per_batch - 1e-9))
     return min(left) if left else None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
 from slipstream import Algorithm, State, hookimpl
 
 

@@ -21,9 +21,10 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from slipstream import Algorithm, ConfigError, Duration, State, hookimpl
 from timm.layers import Format
 from torch import nn
+
+from slipstream import Algorithm, ConfigError, Duration, State, hookimpl
 
 SCHEDULES = ("linear", "stepped")
 MODES = ("bilinear", "nearest", "random_crop")
@@ -47,18 +48,14 @@ class ImageSizeCurriculumConfig:
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
-            )
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not 0 < self.initial_scale <= 1:
             raise ValueError(f"initial_scale must be in (0, 1], got {self.initial_scale}")
         for key in ("delay", "finetune"):
             if not 0 <= getattr(self, key) <= 1:
-                raise ValueError(
-                    f"{key} must be a fraction of the run in [0, 1], got {getattr(self, key)}"
-                )
+                raise ValueError(f"{key} must be a fraction of the run in [0, 1], got {getattr(self, key)}")
         if self.delay + self.finetune > 1:
             raise ValueError(
                 f"delay + finetune must be at most 1 (they are fractions of one run), "
@@ -66,9 +63,7 @@ class ImageSizeCurriculumConfig:
             )
         for key in ("initial_size", "increment"):
             if getattr(self, key) < 1:
-                raise ValueError(
-                    f"{key} must be a positive number of pixels, got {getattr(self, key)}"
-                )
+                raise ValueError(f"{key} must be a positive number of pixels, got {getattr(self, key)}")
         try:
             every = Duration.parse(self.every)
         except ValueError as exc:
@@ -76,9 +71,7 @@ class ImageSizeCurriculumConfig:
         if every.value <= 0:
             raise ValueError(f"every must be a positive duration, got {self.every!r}")
         if self.size_multiple is not None and self.size_multiple < 0:
-            raise ValueError(
-                f"size_multiple must be >= 0 (0 or null = automatic), got {self.size_multiple}"
-            )
+            raise ValueError(f"size_multiple must be >= 0 (0 or null = automatic), got {self.size_multiple}")
 
     @property
     def time_unit(self) -> str:
@@ -151,9 +144,7 @@ def resize_batch(
         # torch's "nearest" samples off-centre (a known legacy quirk); "nearest-exact" does not.
         return F.interpolate(inputs, size=(h, w), mode="nearest-exact")
     if mode == "bilinear":
-        return F.interpolate(
-            inputs, size=(h, w), mode="bilinear", antialias=antialias, align_corners=False
-        )
+        return F.interpolate(inputs, size=(h, w), mode="bilinear", antialias=antialias, align_corners=False)
     raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
 
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 
 import torch
-from slipstream import Algorithm, ConfigError, State, hookimpl
 from timm.layers import Mlp
 from torch import nn
+
+from slipstream import Algorithm, ConfigError, State, hookimpl
 
 
 class _TokenGrid:
@@ -52,9 +53,7 @@ class _TokenGrid:
 class LocalityAct(nn.Module):
     """The MLP's activation, then, on patch tokens, a 3x3 depth-wise conv and h-swish."""
 
-    def __init__(
-        self, act: nn.Module, channels: int, num_prefix_tokens: int, grid: _TokenGrid
-    ) -> None:
+    def __init__(self, act: nn.Module, channels: int, num_prefix_tokens: int, grid: _TokenGrid) -> None:
         super().__init__()
         self.act = act
         self.conv = nn.Conv2d(channels, channels, kernel_size=3, padding=1, groups=channels)
@@ -80,9 +79,7 @@ class LocalityAct(nn.Module):
 
 def _mlps(model: nn.Module) -> list[Mlp]:
     blocks = getattr(model, "blocks", None)
-    mlps = (
-        [getattr(block, "mlp", None) for block in blocks] if isinstance(blocks, nn.Module) else []
-    )
+    mlps = [getattr(block, "mlp", None) for block in blocks] if isinstance(blocks, nn.Module) else []
     usable = mlps and all(isinstance(m, Mlp) and isinstance(m.fc1, nn.Linear) for m in mlps)
     embed = getattr(model, "patch_embed", None)
     if not usable or not hasattr(embed, "dynamic_feat_size"):
@@ -110,27 +107,19 @@ def add_locality(model: nn.Module) -> list[nn.Parameter]:
     new: list[nn.Parameter] = []
     for mlp in mlps:
         like = mlp.fc1.weight
-        mlp.act = LocalityAct(mlp.act, mlp.fc1.out_features, prefix, grid).to(
-            like.device, like.dtype
-        )
+        mlp.act = LocalityAct(mlp.act, mlp.fc1.out_features, prefix, grid).to(like.device, like.dtype)
         new.extend(mlp.act.conv.parameters())
     return new
 
 
-def _join_group_of(
-    optimizer: torch.optim.Optimizer, like: nn.Parameter | None, params: list
-) -> None:
+def _join_group_of(optimizer: torch.optim.Optimizer, like: nn.Parameter | None, params: list) -> None:
     """Add ``params`` to the optimizer group that holds ``like`` (the first group if none
     does). Joining an existing group, rather than ``add_param_group``, keeps every LR
     scheduler built before ``init`` working: torch's schedulers fail when the number of
     groups changes under them."""
     if not params:
         return
-    holds = (
-        g
-        for g in optimizer.param_groups
-        if like is not None and any(p is like for p in g["params"])
-    )
+    holds = (g for g in optimizer.param_groups if like is not None and any(p is like for p in g["params"]))
     next(holds, optimizer.param_groups[0])["params"].extend(params)
 
 

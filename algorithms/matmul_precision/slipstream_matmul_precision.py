@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+
 from slipstream import Algorithm, State, hookimpl
 
 PRECISIONS = ("highest", "high", "medium")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from slipstream import Algorithm, ConfigError, State, hookimpl
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -59,22 +59,16 @@ class StepwiseLRConfig:
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
-            )
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.interval not in INTERVALS:
-            raise ValueError(
-                f"interval must be one of {', '.join(INTERVALS)}, got {self.interval!r}"
-            )
+            raise ValueError(f"interval must be one of {', '.join(INTERVALS)}, got {self.interval!r}")
         _check_duration("warmup", self.warmup)
         if _check_duration("step_size", self.step_size).value <= 0:
             raise ValueError(f"step_size must be a positive duration, got {self.step_size!r}")
         for milestone in self.milestones:
             _check_duration("milestones", milestone)
         if not 0.0 <= self.warmup_start_factor <= 1.0:
-            raise ValueError(
-                f"warmup_start_factor must be in [0, 1], got {self.warmup_start_factor}"
-            )
+            raise ValueError(f"warmup_start_factor must be in [0, 1], got {self.warmup_start_factor}")
         if self.min_lr < 0:
             raise ValueError(f"min_lr must be >= 0, got {self.min_lr}")
         if self.gamma <= 0:
@@ -100,9 +94,7 @@ def _spans(cfg: StepwiseLRConfig, convert: Callable[[str, Duration], float]) -> 
     used = {key for key, schedules in _DURATION_KEYS.items() if cfg.schedule in schedules}
     return _Spans(
         warmup=convert("warmup", Duration.parse(cfg.warmup)) if "warmup" in used else 0.0,
-        step_size=convert("step_size", Duration.parse(cfg.step_size))
-        if "step_size" in used
-        else 1.0,
+        step_size=convert("step_size", Duration.parse(cfg.step_size)) if "step_size" in used else 1.0,
         milestones=tuple(sorted(convert("milestones", Duration.parse(m)) for m in cfg.milestones))
         if "milestones" in used
         else (),
@@ -130,9 +122,7 @@ def _lr(cfg: StepwiseLRConfig, t: float, total: float, base_lr: float, spans: _S
         peak_at = cfg.pct_start * total
         if t < peak_at:
             return _cosine(initial, base_lr, t / peak_at)
-        return _cosine(
-            base_lr, initial / cfg.final_div_factor, min(1.0, (t - peak_at) / (total - peak_at))
-        )
+        return _cosine(base_lr, initial / cfg.final_div_factor, min(1.0, (t - peak_at) / (total - peak_at)))
     # warmup_cosine / warmup_linear
     warmup = min(spans.warmup, total)
     if t < warmup:
@@ -180,9 +170,7 @@ def lr_at(
         if d.unit == unit:
             return d.value
         wanted = f"'dur' or '{unit}'" if unit else "'dur' (or pass unit=...)"
-        raise ValueError(
-            f"{key}={d} cannot be compared with a time in {unit or 'no unit'}; write it in {wanted}"
-        )
+        raise ValueError(f"{key}={d} cannot be compared with a time in {unit or 'no unit'}; write it in {wanted}")
 
     return _lr(cfg, t, total, base_lr, _spans(cfg, convert))
 

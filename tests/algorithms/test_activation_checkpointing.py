@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import copy
-import functools
-from importlib import metadata
 
 import pytest
 import torch
 import torchvision
-from helpers import Probe, tiny_model, train
-from slipstream import ConfigError, Duration, State
-from slipstream.plugins import build_config, discover
 from slipstream_activation_checkpointing import (
     ActivationCheckpointing,
     apply_activation_checkpointing,
@@ -21,15 +16,9 @@ from slipstream_activation_checkpointing import (
 )
 from torch import nn
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _cached_distributions():
-    # The engine scans every installed file (about 1 s) for each algorithm record it
-    # writes (checkpoints, summary); the answer does not change, so the tests cache it.
-    with pytest.MonkeyPatch.context() as patch:
-        cached = functools.cache(metadata.packages_distributions)
-        patch.setattr(metadata, "packages_distributions", cached)
-        yield
+from helpers import Probe, tiny_model, train
+from slipstream import ConfigError, Duration, State
+from slipstream.plugins import build_config, discover
 
 
 class Block(nn.Module):
@@ -230,7 +219,7 @@ def test_in_a_run_the_training_forward_saves_less(tmp_path, kind, path):
     for on in (False, True):
         meter = Meter()
         algos = [plugin(mode="auto" if path == "timm" else "modules"), meter] if on else [meter]
-        trainer = train(tmp_path / str(on), algos, model=tiny_model(kind), max_duration="2ba",
+        trainer = train(tmp_path / str(on), algos, model=tiny_model(kind), max_duration="1ba",
                         eval_interval=None, checkpoint_interval=None)
         runs[on] = (meter.totals[-1], trainer.summary)
     # test_resnet's full-resolution stem is outside the blocks, so it saves less there.

@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-from importlib import metadata
-
 import pytest
 import torch
+from slipstream_ema import EMA, EMAConfig, ema_update, half_life_decay
+
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import Algorithm, ConfigError, Duration, State, Trainer, hookimpl
 from slipstream.plugins import build_config, discover
-from slipstream_ema import EMA, EMAConfig, ema_update, half_life_decay
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _cached_distributions():
-    # The engine scans every installed file (about 1 s) for each algorithm record it
-    # writes (checkpoints, summary); the answer does not change, so the tests cache it.
-    with pytest.MonkeyPatch.context() as patch:
-        cached = functools.cache(metadata.packages_distributions)
-        patch.setattr(metadata, "packages_distributions", cached)
-        yield
 
 
 def params(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -148,13 +136,7 @@ def test_evaluation_uses_the_ema_weights_then_restores_the_live_ones(tmp_path, w
     assert probe.seen and all(seen == (with_ema, not with_ema) for seen in probe.seen)
     assert probe.restored and all(probe.restored)  # after each evaluation (epoch 1 and final)
     assert trainer.summary.get("ema") is (True if with_ema else None)
-
-
-def test_evaluation_with_ema_changes_the_reported_accuracy(tmp_path):
-    # One more, coarser check: the EMA of a young model evaluates differently.
-    plain = train(tmp_path / "plain", [], max_duration="1ep", lr=0.2).summary
-    with_ema = train(tmp_path / "ema", [ema(decay=0.99)], max_duration="1ep", lr=0.2).summary
-    assert with_ema["eval_loss"] != pytest.approx(plain["eval_loss"])
+    assert trainer.summary.get("ema_decay") == (0.9 if with_ema else None)
 
 
 def test_a_failed_evaluation_leaves_the_live_weights(tmp_path):
@@ -231,29 +213,29 @@ def test_half_life_is_counted_in_optimizer_steps_under_accumulation(tmp_path, ac
 
 def test_ema_state_survives_a_checkpoint_resume(tmp_path):
     first = ema(decay=0.9)
-    run = train(tmp_path, [first], max_duration="2ep", eval_interval=None)
+    run = train(tmp_path, [first], max_duration="1ep", eval_interval=None)
     latest = run.run_dir / "checkpoints" / "latest.pt"
     saved = torch.load(latest, weights_only=True)["plugins"]["ema"]["state"]
-    assert saved["n_averaged"] == 8 and saved["last_step"] == 8
+    assert saved["n_averaged"] == 4 and saved["last_step"] == 4
     saved_weights = [saved["weights"][k] for k, _ in first.ema_model.named_parameters()]
     assert same(saved_weights, params(first.ema_model))
 
-    # Resume to 3ep; at fit_start the EMA is the saved one, not a copy of the model.
+    # Resume to 2ep; at fit_start the EMA is the saved one, not a copy of the model.
     resumed, at_start = ema(decay=0.9), {}
     probe = Probe(
         fit_start=lambda s: at_start.update(
             ema=params(resumed.ema_model), live=params(s.unwrapped_model)
         )
     )
-    train(tmp_path, [resumed, probe], max_duration="3ep", eval_interval=None, load_path=latest)
+    train(tmp_path, [resumed, probe], max_duration="2ep", eval_interval=None, load_path=latest)
     assert same(at_start["ema"], saved_weights) and not same(at_start["ema"], at_start["live"])
 
     # And the resumed run ends where an uninterrupted one does.
     straight = ema(decay=0.9)
-    train(tmp_path / "straight", [straight], max_duration="3ep", eval_interval=None)
+    train(tmp_path / "straight", [straight], max_duration="2ep", eval_interval=None)
     for a, b in zip(params(resumed.ema_model), params(straight.ema_model), strict=True):
         torch.testing.assert_close(a, b)
-    assert resumed.state_dict()["last_step"] == straight.state_dict()["last_step"] == 12
+    assert resumed.state_dict()["last_step"] == straight.state_dict()["last_step"] == 8
 
 
 def test_state_loaded_before_init_is_applied_at_init():

@@ -3,18 +3,13 @@ in between, the logged loss untouched, and resumes mid-group."""
 
 from __future__ import annotations
 
-import functools
 import json
 import socket
-from importlib import metadata
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import Probe, tiny_loaders, tiny_model
-from slipstream import Algorithm, ConfigError, Trainer, hookimpl
-from slipstream.plugins import build_config, discover
 from slipstream_grad_accumulation import (
     AccumulationPlan,
     GradAccumulation,
@@ -23,17 +18,9 @@ from slipstream_grad_accumulation import (
     accumulation_plan,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _cached_distribution_lookup():
-    # The engine resolves the distribution of every uninstalled algorithm (the probes)
-    # through importlib.metadata.packages_distributions() at each checkpoint and
-    # summary, about 1 s per call here; cache it so that the tests time the plugin.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(
-            metadata, "packages_distributions", functools.cache(metadata.packages_distributions)
-        )
-        yield
+from helpers import Probe, tiny_loaders, tiny_model
+from slipstream import Algorithm, ConfigError, Trainer, hookimpl
+from slipstream.plugins import build_config, discover
 
 
 class RecordingBackward(Algorithm):
@@ -86,9 +73,7 @@ def linear_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4))
 
 
-def fit(
-    tmp_path, algorithms, *, batch_size=4, model=None, max_duration="1ep", lr=0.05, **kwargs
-) -> Trainer:
+def fit(tmp_path, algorithms, *, batch_size=4, model=None, max_duration="1ep", lr=0.05, **kwargs) -> Trainer:
     """Train on the 64 samples of helpers.tiny_loaders in batches of ``batch_size``."""
     train_data, eval_data = tiny_loaders(batch_size=batch_size)
     model = model if model is not None else linear_model()
@@ -181,9 +166,7 @@ def test_loss_is_divided_for_backward_only_and_logged_undivided(tmp_path):
     assert loss_factors(backward, recorder) == pytest.approx([1 / 3, 1 / 3, 1 / 3, 1.0] * 2)
     assert recorder.steps == [2, 3, 6, 7]
     assert recorder.backward_losses == recorder.losses  # restored after backward
-    logged = [
-        json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
-    ]
+    logged = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in logged if r["kind"] == "train"] == pytest.approx(recorder.losses)
 
 
@@ -231,9 +214,7 @@ def free_port() -> int:
 
 
 def test_ddp_skips_the_all_reduce_on_batches_that_do_not_step(tmp_path):
-    dist.init_process_group(
-        "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}"
-    )
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(linear_model())
         backward = RecordingBackward()
@@ -261,9 +242,7 @@ def test_steps_one_changes_nothing(tmp_path):
 
 
 def test_config_errors_name_the_key_and_what_is_allowed():
-    with pytest.raises(
-        ConfigError, match=r"algorithms.grad_accumulation: steps must be an integer >= 1.*got 0"
-    ):
+    with pytest.raises(ConfigError, match=r"algorithms.grad_accumulation: steps must be an integer >= 1.*got 0"):
         build_config(GradAccumulation, {"steps": 0})
     with pytest.raises(ConfigError, match=r"algorithms.grad_accumulation.steps: .*expected int"):
         build_config(GradAccumulation, {"steps": "four"})
@@ -271,5 +250,6 @@ def test_config_errors_name_the_key_and_what_is_allowed():
 
 
 def test_discovered_through_the_entry_point():
-    info = discover()["grad_accumulation"]
+    info = discover(load=False)["grad_accumulation"]  # import this plugin only, not every installed one
+    info.load()
     assert info.cls is GradAccumulation and info.distribution == "slipstream-grad_accumulation"

@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import warnings
 from collections import OrderedDict
-from importlib import metadata
 
 import pytest
 import torch
+from slipstream_grad_clipping import GradClipping, GradClippingConfig, clip_gradients
+
 from helpers import Probe, train
 from slipstream import ConfigError
 from slipstream.plugins import build_config, discover
-from slipstream_grad_clipping import GradClipping, GradClippingConfig, clip_gradients
-
-
-@functools.cache
-def _packages_distributions():
-    return _scan_distributions()
-
-
-_scan_distributions = metadata.packages_distributions
-
-
-@pytest.fixture(autouse=True)
-def _cached_distribution_lookup(monkeypatch):
-    # The engine names the distribution of every algorithm instance through
-    # importlib.metadata.packages_distributions(), which rescans every installed
-    # file on each call (seconds per run here). Cache it for the tests.
-    monkeypatch.setattr(metadata, "packages_distributions", _packages_distributions)
 
 
 def small_model() -> torch.nn.Module:

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict
-from importlib import metadata
 
 import pytest
 import torch
-from helpers import Probe, train
-from slipstream import ConfigError
-from slipstream.plugins import build_config, discover
 from slipstream_matmul_precision import (
     MatmulPrecision,
     MatmulPrecisionConfig,
@@ -18,22 +13,9 @@ from slipstream_matmul_precision import (
     set_matmul_precision,
 )
 
-
-@functools.cache
-def _packages_distributions():
-    return _scan_distributions()
-
-
-_scan_distributions = metadata.packages_distributions
-
-
-@pytest.fixture(autouse=True)
-def _cached_distribution_lookup(monkeypatch):
-    # The engine names the distribution of every algorithm instance through
-    # importlib.metadata.packages_distributions(), which rescans every installed
-    # file on each call (seconds per run here). Cache it for the tests.
-    monkeypatch.setattr(metadata, "packages_distributions", _packages_distributions)
-
+from helpers import Probe, train
+from slipstream import ConfigError
+from slipstream.plugins import build_config, discover
 
 BEFORE = MatmulSettings(precision="highest", cudnn_tf32=False, cudnn_benchmark=False)
 

@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections import OrderedDict
-from importlib import metadata
 from itertools import pairwise
 
 import pytest
 import torch
-from helpers import Probe, tiny_loaders, tiny_model, train
-from slipstream import ConfigError, Trainer
-from slipstream.plugins import build_config, discover
 from slipstream_mixed_precision import (
     MixedPrecision,
     MixedPrecisionConfig,
     autocast,
     resolve_dtype,
 )
+
+from helpers import Probe, tiny_loaders, tiny_model, train
+from slipstream import ConfigError, Trainer
+from slipstream.plugins import build_config, discover
 
 
 def small_model() -> torch.nn.Module:
@@ -36,22 +35,6 @@ def small_model() -> torch.nn.Module:
 
 def fp16(**kwargs) -> MixedPrecision:
     return MixedPrecision(MixedPrecisionConfig(dtype="fp16", **kwargs))
-
-
-@pytest.fixture(autouse=True)
-def _cached_distribution_lookup(monkeypatch):
-    # The engine names the distribution of every algorithm instance (checkpoints,
-    # summary) through importlib.metadata.packages_distributions(), which rescans
-    # every installed file on each call: seconds per run on this machine. Cache it.
-    monkeypatch.setattr(metadata, "packages_distributions", _packages_distributions)
-
-
-@functools.cache
-def _packages_distributions():
-    return _scan_distributions()
-
-
-_scan_distributions = metadata.packages_distributions
 
 
 @pytest.fixture(autouse=True)

@@ -2,33 +2,20 @@
 
 from __future__ import annotations
 
-import functools
 import json
-from importlib import metadata
 from itertools import pairwise
 
 import pytest
 import torch
-from helpers import Probe, tiny_loaders, tiny_model, train
-from slipstream import ConfigError, Trainer
-from slipstream.plugins import build_config, discover
 from slipstream_grad_accumulation import GradAccumulation, GradAccumulationConfig
 from slipstream_stepwise_lr import SCHEDULES, StepwiseLR, StepwiseLRConfig, lr_at
 
+from helpers import Probe, tiny_loaders, tiny_model, train
+from slipstream import ConfigError, Trainer
+from slipstream.plugins import build_config, discover
+
 BASE = 0.05  # helpers.train's LR
 BATCHES_PER_EPOCH = 4  # helpers.tiny_loaders: 64 samples in batches of 16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _cached_distribution_lookup():
-    # The engine resolves the distribution of every uninstalled algorithm (the probes)
-    # through importlib.metadata.packages_distributions() at each checkpoint and
-    # summary, about 1 s per call here; cache it so that the tests time the plugin.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(
-            metadata, "packages_distributions", functools.cache(metadata.packages_distributions)
-        )
-        yield
 
 
 class AfterLR(Probe):
@@ -39,11 +26,7 @@ class AfterLR(Probe):
 
 def lr_recorder() -> tuple[AfterLR, list[tuple[int, float]]]:
     seen: list[tuple[int, float]] = []
-    probe = AfterLR(
-        before_optimizer_step=lambda s: seen.append(
-            (s.timestamp.batch, s.optimizer.param_groups[0]["lr"])
-        )
-    )
+    probe = AfterLR(before_optimizer_step=lambda s: seen.append((s.timestamp.batch, s.optimizer.param_groups[0]["lr"])))
     return probe, seen
 
 
@@ -183,9 +166,7 @@ def test_interval_epoch_changes_the_lr_only_at_epoch_boundaries(tmp_path):
     per_epoch = [{lr for batch, lr in seen if batch // BATCHES_PER_EPOCH == e} for e in range(4)]
     assert all(len(lrs) == 1 for lrs in per_epoch)
     # Evaluated at each epoch's start: 0, 1/4, 2/4, 3/4 of a linear decay.
-    assert [lrs.pop() for lrs in per_epoch] == pytest.approx(
-        [BASE, 0.75 * BASE, 0.5 * BASE, 0.25 * BASE]
-    )
+    assert [lrs.pop() for lrs in per_epoch] == pytest.approx([BASE, 0.75 * BASE, 0.5 * BASE, 0.25 * BASE])
 
 
 def test_logged_lr_is_the_lr_the_optimizer_used(tmp_path):
@@ -213,9 +194,7 @@ def test_wall_clock_run_moves_the_lr_over_the_budget(tmp_path):
 
 
 def test_wall_clock_run_refuses_an_epoch_duration(tmp_path):
-    with pytest.raises(
-        ConfigError, match=r"stepwise_lr\.step_size: .*write it in 'dur' or in the run's unit"
-    ):
+    with pytest.raises(ConfigError, match=r"stepwise_lr\.step_size: .*write it in 'dur' or in the run's unit"):
         fit(tmp_path, [algo(schedule="step", step_size="1ep")], max_duration="1s")
 
 
@@ -227,9 +206,7 @@ def test_schedule_in_ba_counts_loop_batches_under_accumulation(tmp_path):
     # Steps happen on every second batch; the LR halves every 4 loop batches,
     # i.e. every 2 optimizer steps.
     assert [batch for batch, _ in seen] == list(range(1, 16, 2))
-    assert [lr for _, lr in seen] == pytest.approx(
-        [BASE * 0.5 ** (b // 4) for b in range(1, 16, 2)]
-    )
+    assert [lr for _, lr in seen] == pytest.approx([BASE * 0.5 ** (b // 4) for b in range(1, 16, 2)])
 
 
 def test_each_param_group_is_scaled_from_its_own_lr(tmp_path):
@@ -239,11 +216,7 @@ def test_each_param_group_is_scaled_from_its_own_lr(tmp_path):
     body = [p for p in model.parameters() if id(p) not in head_ids]
     optimizer = torch.optim.SGD([{"params": body, "lr": 0.1}, {"params": head, "lr": 0.01}], lr=0.1)
     seen: list[tuple[float, float]] = []
-    probe = AfterLR(
-        before_optimizer_step=lambda s: seen.append(
-            tuple(g["lr"] for g in s.optimizer.param_groups)
-        )
-    )
+    probe = AfterLR(before_optimizer_step=lambda s: seen.append(tuple(g["lr"] for g in s.optimizer.param_groups)))
     train_data, _ = tiny_loaders()
     Trainer(
         model=model,
@@ -318,5 +291,6 @@ def test_config_errors_name_the_key_and_what_is_allowed(options, message):
 
 
 def test_discovered_through_the_entry_point():
-    info = discover()["stepwise_lr"]
+    info = discover(load=False)["stepwise_lr"]  # import this plugin only, not every installed one
+    info.load()
     assert info.cls is StepwiseLR and info.distribution == "slipstream-stepwise_lr"

@@ -283,7 +283,7 @@ class SyntheticShapes(Dataset):
 
     Samples are rendered eagerly into one uint8 tensor (`self.images`), so indexing is a
     cheap slice-and-scale. The same `(seed, split, index, image_size)` always gives the
-    same tensor; the train and val splits never share samples.
+    same tensor; the train and val splits are drawn from independent random streams.
     """
 
     def __init__(
