@@ -18,8 +18,6 @@ import time
 
 import timm
 import torch
-from common import compare, parser, random_loader, report
-from slipstream import Algorithm, hookimpl
 from slipstream_gpu_augmentation import (
     GpuAugmentation,
     GpuAugmentationConfig,
@@ -29,6 +27,9 @@ from slipstream_gpu_augmentation import (
 )
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
+
+from common import compare, parser, random_loader, report
+from slipstream import Algorithm, hookimpl
 
 
 class Augmented(Dataset):

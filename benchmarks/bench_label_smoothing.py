@@ -16,9 +16,10 @@ import time
 import timm
 import torch
 import torch.nn.functional as F
+from slipstream_label_smoothing import LabelSmoothing, LabelSmoothingConfig, smooth_cross_entropy
+
 from common import compare, parser, random_loader, report
 from slipstream import Algorithm, hookimpl
-from slipstream_label_smoothing import LabelSmoothing, LabelSmoothingConfig, smooth_cross_entropy
 
 
 def loss_alone(batch: int, classes: int, calls: int, repeats: int) -> None:

@@ -3,8 +3,8 @@
 (a) Step time and peak memory through the real Trainer, side by side: ViT-Tiny/16 at
     224 px (batch 8) with and without locality_ffn.
 (b) A short whole run on the synthetic dataset at 32 px with a small ViT (patch 4,
-    width 96, depth 6), with and without locality_ffn, same epochs: training time and
-    final accuracy.
+    width 96, depth 6; AdamW with stepwise_lr's warm-up + cosine), with and without
+    locality_ffn, same epochs: training time and final accuracy.
 
     .venv/bin/python benchmarks/bench_locality_ffn.py            # ~3 min idle
     .venv/bin/python benchmarks/bench_locality_ffn.py --quick
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from slipstream_locality_ffn import LocalityFFN
 
-from bench_image_size_curriculum import print_runs, synthetic_run
+from bench_image_size_curriculum import compare_runs, run_settings
 from common import compare, parser, random_loader, report
 from slipstream.models import build_model
 from slipstream.optim import build_optimizer
@@ -53,20 +53,22 @@ def step_cost(model_name: str, size: int, batch: int, kwargs: dict, args: Any) -
 
 
 def whole_run(args: Any) -> None:
-    sizes = dict(train_size=200, val_size=100) if args.quick else dict(train_size=2500, val_size=500)
-    epochs = 1 if args.quick else args.epochs
-    runs = {}
-    for name, algorithms in (("ViT", []), ("ViT + locality_ffn", [LocalityFFN()])):
-        torch.manual_seed(0)
-        model = build_model("vit_tiny_patch16_224", 10, image_size=32, **SMALL_VIT)
-        optimizer = build_optimizer(model, "adamw", 2e-3, weight_decay=0.05)
-        runs[name] = synthetic_run(model, optimizer, algorithms, image_size=32, epochs=epochs, batch_size=64, **sizes)
-    print_runs(f"(b) small ViT {SMALL_VIT} on synthetic 32 px, {epochs} epochs, {sizes}", runs)
+    def build(algorithms):
+        def variant():
+            model = build_model("vit_tiny_patch16_224", 10, image_size=32, **SMALL_VIT)
+            optimizer = build_optimizer(model, "adamw", 2e-3, weight_decay=0.05)
+            return model, optimizer, ["stepwise_lr", *algorithms()]
+
+        return variant
+
+    variants = {"ViT": build(list), "ViT + locality_ffn": build(lambda: [LocalityFFN()])}
+    title = f"(b) small ViT {SMALL_VIT} on synthetic 32 px"
+    compare_runs(title, variants, image_size=32, **run_settings(args))
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=5, help="epochs of the whole-run comparison (b)")
+    p.add_argument("--epochs", type=int, default=6, help="epochs of the whole-run comparison (b)")
     p.add_argument("--part", choices=("a", "b", "all"), default="all")
     p.set_defaults(steps=5, warmup=2, repeats=2)
     args = p.parse_args()

@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--model", default="resnet18")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--classes", type=int, default=10)
     p.add_argument("--train-size", type=int, default=2000)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak LR")
@@ -42,7 +43,7 @@ def main() -> None:
     train_set, val_set, num_classes = build_datasets(
         "synthetic",
         image_size=args.image_size,
-        num_classes=10,
+        num_classes=args.classes,
         train_size=args.train_size,
         val_size=args.train_size // 4,
     )
@@ -102,7 +103,7 @@ def main() -> None:
     hook_us = (time.perf_counter() - started) / calls * 1e6
 
     print(
-        f"\n{args.model} on synthetic {args.image_size} px, {args.train_size} images, "
+        f"\n{args.model} on synthetic {args.image_size} px, {num_classes} classes, {args.train_size} images, "
         f"{args.epochs} epochs of {len(train_loader)} steps, batch {args.batch}, AdamW {args.lr}, "
         f"warmup_cosine (warm-up 0.05dur from 0.1x)"
     )

@@ -5,9 +5,8 @@ import socket
 import subprocess
 import sys
 
-import torch.distributed as dist
-
 import pytest
+import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 

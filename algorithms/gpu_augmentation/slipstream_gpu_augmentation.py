@@ -27,8 +27,9 @@ from typing import Any
 import kornia.augmentation as K
 import kornia.augmentation.auto as KA
 import torch
-from slipstream import Algorithm, State, hookimpl
 from torch import nn
+
+from slipstream import Algorithm, State, hookimpl
 
 PRESETS = ("light", "trivial", "randaugment", "custom")
 

@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from slipstream import Algorithm, ConfigError, State, hookimpl
 from torch import nn
+
+from slipstream import Algorithm, ConfigError, State, hookimpl
 
 
 @dataclass

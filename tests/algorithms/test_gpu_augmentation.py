@@ -6,10 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import Probe, tiny_loaders
-from helpers import train as _train
-from slipstream import Algorithm, ConfigError, Duration, State
-from slipstream.plugins import AlgorithmInfo, build_config, discover, resolve_order
 from slipstream_gpu_augmentation import (
     GpuAugmentation,
     GpuAugmentationConfig,
@@ -17,6 +13,11 @@ from slipstream_gpu_augmentation import (
     batch_seed,
     build_augmentation,
 )
+
+from helpers import Probe, tiny_loaders
+from helpers import train as _train
+from slipstream import Algorithm, ConfigError, Duration, State
+from slipstream.plugins import AlgorithmInfo, build_config, discover, resolve_order
 
 # Naming every algorithm of a run (probes included) in `installed` spares the engine
 # a scan of all installed distributions at each summary/checkpoint write, which

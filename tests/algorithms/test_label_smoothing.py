@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from slipstream_label_smoothing import LabelSmoothing, LabelSmoothingConfig, smooth_cross_entropy
+
 from helpers import Probe, tiny_loaders
 from helpers import train as _train
 from slipstream import Algorithm, ConfigError, hookimpl
 from slipstream.plugins import AlgorithmInfo, build_config, discover
-from slipstream_label_smoothing import LabelSmoothing, LabelSmoothingConfig, smooth_cross_entropy
 
 # Naming every algorithm of a run (probes included) in `installed` spares the engine
 # a scan of all installed distributions at each summary/checkpoint write.
