@@ -4,7 +4,9 @@ For each model, four variants run interleaved in one process (A B C D A B C D ..
 a plain PyTorch loop in fp32 and in bf16 autocast (the reference speed-up), and the
 Slipstream Trainer without and with the mixed_precision plugin. The plugin should
 deliver the plain loop's speed-up (within 5 %). ResNets are timm's, with the ImageNet
-stem (7x7 stride-2 conv + max-pool), not a CIFAR stem.
+stem (7x7 stride-2 conv + max-pool), not a CIFAR stem. Ratios are printed for wall
+time and for process CPU time (the latter is the one to trust on a busy machine,
+with --threads 1).
 
     .venv/bin/python benchmarks/bench_mixed_precision.py            # ResNet-18 and ViT-tiny
     .venv/bin/python benchmarks/bench_mixed_precision.py --models resnet18,vit_tiny,resnet50
@@ -21,27 +23,49 @@ from slipstream_mixed_precision import MixedPrecision, MixedPrecisionConfig
 from torch.utils.data import DataLoader
 
 from common import Result, parser, random_loader, report, run_variant
+from slipstream import Algorithm, hookimpl
 from slipstream.models import build_model
 
 
-def build(model_name: str, size: int, dtype: str | None, **model_kwargs: Any):
+class ProcessClock(Algorithm):
+    """Process CPU time at the end of every batch. On a shared, oversubscribed
+    machine wall time mostly measures the neighbours; with one thread, CPU time per
+    step still measures the work (spin-waiting OpenMP threads inflate it above one)."""
+
+    name = "bench_cpu_clock"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    @hookimpl
+    def batch_end(self, state: Any) -> None:
+        self.times.append(time.process_time())
+
+
+def per_step(times: list[float], warmup: int) -> float:
+    return (times[-1] - times[warmup - 1]) / (len(times) - warmup)
+
+
+def build(model_name: str, size: int, dtype: str | None, clocks: list, **model_kwargs: Any):
     def make():
         torch.manual_seed(0)
         model = build_model(model_name, 10, image_size=size, **model_kwargs)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        clocks.append(ProcessClock())
         algos = [MixedPrecision(MixedPrecisionConfig(dtype=dtype))] if dtype else []
-        return model, optimizer, algos
+        return model, optimizer, [*algos, clocks[-1]]
 
     return make
 
 
-def plain_loop(make, loader: DataLoader, steps: int, warmup: int, bf16: bool) -> float:
-    """Seconds per step of the loop one would write by hand (same model, data, loss,
-    optimizer and zero_grad as the engine's defaults)."""
+def plain_loop(make, loader: DataLoader, steps: int, warmup: int, bf16: bool):
+    """(wall, CPU) seconds per step of the loop one would write by hand: same model,
+    data, loss, optimizer and zero_grad as the engine's defaults."""
     model, optimizer, _ = make()
     model.train()
     loss_fn = torch.nn.CrossEntropyLoss()
-    times = []
+    wall, cpu = [], []
     batches = iter(loader)
     for _ in range(warmup + steps):
         inputs, targets = next(batches)
@@ -50,39 +74,50 @@ def plain_loop(make, loader: DataLoader, steps: int, warmup: int, bf16: bool) ->
         loss.float().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter())
-    return (times[-1] - times[warmup - 1]) / steps
+        wall.append(time.perf_counter())
+        cpu.append(time.process_time())
+    return per_step(wall, warmup), per_step(cpu, warmup)
 
 
-def bench(model_name: str, size: int, batch: int, args: Any, **model_kwargs: Any) -> float:
+def bench(model_name: str, size: int, batch: int, args: Any, **model_kwargs: Any) -> None:
     steps, warmup = args.steps, args.warmup
     loader = random_loader(batch * (warmup + steps), size, batch)
-    fp32 = build(model_name, size, None, **model_kwargs)
-    bf16 = build(model_name, size, "bf16", **model_kwargs)
+    clocks: list[ProcessClock] = []
+    fp32 = build(model_name, size, None, clocks, **model_kwargs)
+    bf16 = build(model_name, size, "bf16", clocks, **model_kwargs)
+
+    def engine(make):
+        wall = run_variant(make, loader, steps, warmup)[0]
+        return wall, per_step(clocks[-1].times, warmup)
+
     runs = {
         "plain fp32": lambda: plain_loop(fp32, loader, steps, warmup, bf16=False),
         "plain bf16": lambda: plain_loop(bf16, loader, steps, warmup, bf16=True),
-        "engine fp32": lambda: run_variant(fp32, loader, steps, warmup)[0],
-        "engine + mixed_precision": lambda: run_variant(bf16, loader, steps, warmup)[0],
+        "engine fp32": lambda: engine(fp32),
+        "engine + mixed_precision": lambda: engine(bf16),
     }
-    results = {name: Result(name) for name in runs}
+    wall = {name: Result(name) for name in runs}
+    cpu = {name: Result(name) for name in runs}
     for _ in range(args.repeats):
         for name, run in runs.items():
-            results[name].step_s.append(run())
+            w, c = run()
+            wall[name].step_s.append(w)
+            cpu[name].step_s.append(c)
     title = f"{model_name} at {size} px, batch {batch}, {args.threads} threads"
     names = list(runs)
-    report(f"{title}: plain PyTorch", {n: results[n] for n in names[:2]})
-    report(f"{title}: engine", {n: results[n] for n in names[2:]})
-    step = {name: r.median_step_s for name, r in results.items()}
-    plain = step["plain fp32"] / step["plain bf16"]
-    engine = step["engine fp32"] / step["engine + mixed_precision"]
-    overhead = step["engine fp32"] / step["plain fp32"]
-    print(
-        f"bf16 speed-up: plain {plain:.2f}x, engine {engine:.2f}x "
-        f"(engine/plain {engine / plain:.3f}; engine fp32 step / plain fp32 step {overhead:.3f})\n",
-        flush=True,
-    )
-    return engine / plain
+    for clock, results in (("wall time", wall), ("process CPU time", cpu)):
+        report(f"{title}, {clock}: plain PyTorch", {n: results[n] for n in names[:2]})
+        report(f"{title}, {clock}: engine", {n: results[n] for n in names[2:]})
+        step = {name: r.median_step_s for name, r in results.items()}
+        plain = step["plain fp32"] / step["plain bf16"]
+        engine_ratio = step["engine fp32"] / step["engine + mixed_precision"]
+        overhead = step["engine fp32"] / step["plain fp32"]
+        print(
+            f"bf16 speed-up ({clock}): plain {plain:.2f}x, engine {engine_ratio:.2f}x "
+            f"(engine/plain {engine_ratio / plain:.3f}; "
+            f"engine fp32 step / plain fp32 step {overhead:.3f})\n",
+            flush=True,
+        )
 
 
 # --models key: (timm name, image size, batch size)

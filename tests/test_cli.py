@@ -70,7 +70,9 @@ def test_train_runs_and_writes_the_run_directory(tmp_path):
     result = slipstream("train", *TINY, "trainer.max_duration=2ep", f"trainer.run_dir={run_dir}")
     assert result.returncode == 0, result.stderr
     assert "accuracy" in result.stdout and "run directory" in result.stdout  # the summary table
-    assert "algorithms in order: none" in result.stderr
+    # The default recipe enables bf16, channels-last and a per-step LR schedule.
+    order = next(line for line in result.stderr.splitlines() if "algorithms in order:" in line)
+    assert all(name in order for name in ("stepwise_lr", "mixed_precision", "channels_last"))
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints/latest.pt"):
         assert (run_dir / name).exists(), name
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -39,15 +39,13 @@ class _TokenGrid:
         self.size = tuple(patch_embed.dynamic_feat_size((height, width)))
 
     def for_tokens(self, count: int) -> tuple[int, int]:
-        if self.size is not None and self.size[0] * self.size[1] == count:
+        if self.size is None:  # blocks called without the patch embedding: a square grid
+            side = math.isqrt(count)
+            if side * side == count:
+                return side, side
+        elif self.size[0] * self.size[1] == count:
             return self.size
-        side = math.isqrt(count)  # blocks called without the patch embedding: square grids
-        if side * side == count:
-            return side, side
-        raise RuntimeError(
-            f"locality_ffn: {count} patch tokens do not form the patch grid of the input "
-            f"({self.size}); token dropping (patch_drop_rate) cannot be combined with locality_ffn"
-        )
+        raise RuntimeError(f"locality_ffn: {count} patch tokens do not form the patch grid of the input ({self.size})")
 
 
 class LocalityAct(nn.Module):
@@ -67,7 +65,7 @@ class LocalityAct(nn.Module):
         batch, count, channels = patches.shape
         height, width = self.grid.for_tokens(count)
         # Tokens are (B, H*W, C): viewed as (B, H, W, C) and permuted, they already are a
-        # channels-last NCHW tensor, so the convolution needs no copy in or out.
+        # channels-last NCHW tensor, so no transposed copy is made on the way in or out.
         image = patches.reshape(batch, height, width, channels).permute(0, 3, 1, 2)
         image = self.hswish(self.conv(image))
         patches = image.permute(0, 2, 3, 1).reshape(batch, count, channels)
@@ -101,6 +99,11 @@ def add_locality(model: nn.Module) -> list[nn.Parameter]:
     mlps = _mlps(model)
     if any(isinstance(m.act, LocalityAct) for m in mlps):
         return []
+    if getattr(getattr(model, "patch_drop", None), "prob", 0.0) > 0:
+        raise ConfigError(
+            "locality_ffn cannot be combined with token dropping (patch_drop_rate > 0): "
+            "dropped tokens leave holes in the patch grid the convolution works on"
+        )
     grid = _TokenGrid()
     model.patch_embed.register_forward_pre_hook(grid)
     prefix = int(getattr(model, "num_prefix_tokens", 1))

@@ -74,6 +74,8 @@ def test_non_vit_is_a_clear_error(tmp_path):
         add_locality(tiny_model("resnet"))
     with pytest.raises(ConfigError, match="ResNet is not one"):
         train(tmp_path, [LocalityFFN()], max_duration="1ba")
+    with pytest.raises(ConfigError, match="cannot be combined with token dropping"):
+        add_locality(small_vit(patch_drop_rate=0.5))
 
 
 def test_new_parameters_train_in_the_optimizer_groups_of_their_neighbours(tmp_path):
