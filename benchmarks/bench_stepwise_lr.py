@@ -4,7 +4,7 @@ against once per epoch, on the synthetic shapes. Reports the final accuracy of b
 warm-up's starting LR, the last one far from the end of the decay) and the cost of
 updating the LR every step (time per step, and the hook's own cost in microseconds).
 
-    .venv/bin/python benchmarks/bench_stepwise_lr.py            # ~2-3 min on 2 idle cores
+    .venv/bin/python benchmarks/bench_stepwise_lr.py            # 2 x 5 epochs of 2000 images at 32 px
     .venv/bin/python benchmarks/bench_stepwise_lr.py --quick    # seconds
 """
 

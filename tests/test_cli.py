@@ -67,7 +67,9 @@ def test_algorithms_json_is_machine_readable():
 
 def test_train_runs_and_writes_the_run_directory(tmp_path):
     run_dir = tmp_path / "run"
-    result = slipstream("train", *TINY, "trainer.max_duration=2ep", f"trainer.run_dir={run_dir}")
+    result = slipstream(
+        "train", *TINY, "trainer.max_duration=2ep", "trainer.eval_interval=1ep", f"trainer.run_dir={run_dir}"
+    )
     assert result.returncode == 0, result.stderr
     assert "accuracy" in result.stdout and "run directory" in result.stdout  # the summary table
     # The default recipe enables bf16, channels-last and a per-step LR schedule.

@@ -182,9 +182,12 @@ class MixedPrecision(Algorithm):
     @hookimpl
     def fit_end(self, state: State) -> None:
         self._record(state)
+        if self.scaler is not None:
+            state.summary["loss_scale"] = self.scaler.get_scale()
 
     @hookimpl
     def exception(self, state: State) -> None:
+        # No device access here: it could fail too and hide the run's real error.
         self._record(state)
 
     def _record(self, state: State) -> None:
@@ -193,7 +196,6 @@ class MixedPrecision(Algorithm):
             self._watch_handle = self._watched = None
         if self.scaler is not None:
             state.summary["skipped_steps"] = self.skipped_steps
-            state.summary["loss_scale"] = self.scaler.get_scale()
 
     # -- persistence ---------------------------------------------------------------------
 

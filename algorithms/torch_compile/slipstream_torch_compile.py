@@ -117,9 +117,12 @@ class _StepClock:
         self._frames = _compiles()
         self._start = time.perf_counter()
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Record the step; return whether it compiled."""
         elapsed = time.perf_counter() - self._start
-        (self.compiled if _compiles() != self._frames else self.plain).append(elapsed)
+        compiled = _compiles() != self._frames
+        (self.compiled if compiled else self.plain).append(elapsed)
+        return compiled
 
     def typical(self) -> float:
         return statistics.median(self.plain) if self.plain else 0.0
@@ -196,9 +199,19 @@ class TorchCompile(Algorithm):
 
     @hookimpl
     def batch_end(self, state: State) -> None:
-        self.train_clock.stop()
+        compiled = self.train_clock.stop()
         if self._first_step_s is None:
-            self._first_step_s = self.train_clock.compiled[-1] if self.train_clock.compiled else 0.0
+            self._first_step_s = self.train_clock.compiled[-1] if compiled else 0.0
+        elif compiled and len(self.train_clock.compiled) == 2:
+            shape = tuple(state.batch[0].shape)
+            warnings.warn(
+                f"torch_compile: the model compiled again in batch {state.timestamp.batch} of the run "
+                f"(inputs {shape}); every recompile costs about as much as the first compile. "
+                "A new image size: give image_size_curriculum.size_multiple a multiple of the "
+                "network's stride (32 for a ResNet) so that one dynamic graph fits every size. "
+                "A smaller last batch: drop_last=True. TORCH_LOGS=recompiles gives the reason",
+                stacklevel=1,
+            )
 
     @hookimpl(tryfirst=True)
     def eval_batch_start(self, state: State) -> None:

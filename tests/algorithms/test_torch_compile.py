@@ -8,6 +8,7 @@ generation, ~1 s) and a small CNN; one Inductor test is opt-in (see below).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,7 +139,11 @@ def test_curriculum_compiles_sizes_dynamically_once(tmp_path, dynamic_image_size
     # statically, then recompiles when 24 px arrives.
     record = Record()
     algos = [eager(dynamic_image_size=dynamic_image_size), Curriculum(), record]
-    trainer = fit(tmp_path, algos, max_duration="4ba")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(tmp_path, algos, max_duration="4ba")
+    recompile_warnings = [w for w in caught if "compiled again in batch 3 of the run" in str(w.message)]
+    assert len(recompile_warnings) == compiles - 1  # says why and what to do, once
     assert [a.name for a in trainer.algorithms][:2] == ["image_size_curriculum", "torch_compile"]
     assert record.sizes == [16, 16, 24, 24]
     assert trainer.summary["compile"]["compiles"] == compiles
