@@ -111,8 +111,12 @@ def curriculum(args: Any) -> None:
         "eager": None,
         "compiled, size marked dynamic": {"dynamic_image_size": True},
         "compiled, torch automatic dynamic": {"dynamic_image_size": False},
+        "compiled, static (dynamic=false)": {"dynamic": False},
     }
+    chosen = args.variants.split(",") if args.variants else list(options)
     for name, option in options.items():
+        if not any(c in name for c in chosen):
+            continue
         torch.manual_seed(0)
         model = build_model(model_name, 10, image_size=size)
         algorithms: list[Algorithm] = [make_curriculum()]
@@ -169,6 +173,8 @@ def main() -> None:
                    help="add eager and compiled channels_last + bf16 (mixed_precision) variants")
     p.add_argument("--curriculum", action="store_true",
                    help="run (b), the image-size curriculum comparison, instead of (a)")
+    p.add_argument("--variants", default="",
+                   help="(b) only: comma-separated words picking variants, e.g. eager,static")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.quick:
