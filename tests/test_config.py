@@ -106,6 +106,25 @@ def test_override_without_equals_sign():
         build_config(None, None, ["trainer.seed"])
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "trainer.max_duration=[1,",  # unterminated YAML flow
+        # two overrides in one shell word: the second becomes part of the first's value
+        "algorithms.gpu_augmentation.preset=custom algorithms.gpu_augmentation.custom=[{name: A},{name: B}]",
+    ],
+)
+def test_override_with_invalid_yaml_names_the_override(bad):
+    with pytest.raises(ConfigError, match=r"cannot parse override .*Values are YAML") as info:
+        build_config(None, None, ["trainer.seed=1", bad])
+    assert repr(bad) in str(info.value) and "trainer.seed=1" not in str(info.value)
+
+
+def test_override_values_are_yaml():
+    cfg = build_config(None, None, ["algorithms.gpu_augmentation.crop_scale=[0.8, 1.0]", "trainer.seed=3"])
+    assert list(cfg.algorithms.gpu_augmentation.crop_scale) == [0.8, 1.0] and cfg.trainer.seed == 3
+
+
 def test_broken_yaml_is_a_clear_error(tmp_path):
     write(tmp_path / "broken.yaml", "model: {name: resnet18\ndata: [")
     with pytest.raises(ConfigError, match="is not valid YAML"):

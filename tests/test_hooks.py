@@ -1,5 +1,7 @@
 """The hook contract: firing order, step wrapping and replacing, binding."""
 
+import json
+
 import pytest
 import torch
 
@@ -175,3 +177,28 @@ def test_state_says_where_the_batch_is(tmp_path):
     train(tmp_path, [probe], max_duration="1ba")
     assert seen["batch_start"] == ("cpu", (16, 3, 16, 16), True)
     assert seen["eval_batch_start"][2] is False
+
+
+def test_train_throughput_leaves_evaluation_time_out(tmp_path, monkeypatch):
+    # A fake clock: every training batch takes 1 s and every evaluation 100 s, so each
+    # record of 3 batches x 16 samples must read 16 samples/s, also those whose interval
+    # holds an evaluation (4 batches per epoch: evaluations fall inside intervals).
+    from types import SimpleNamespace
+
+    from slipstream.services import metrics
+
+    now = [0.0]
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def advance(seconds: float):
+        def hook(state):
+            now[0] += seconds
+
+        return hook
+
+    probe = Probe(batch_start=advance(1.0), eval_batch_start=advance(100.0 / 4))
+    trainer = train(tmp_path, [probe], max_duration="3ep", log_interval=3, eval_interval="1ep")
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["samples_per_s"] for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [4, 8, 12]
+    assert rates == pytest.approx([16.0] * 4)

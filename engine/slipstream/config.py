@@ -169,10 +169,19 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             raise ConfigError(
                 f"override {item!r} must look like key=value, e.g. trainer.max_duration=5ep"
             )
-    try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))  # type: ignore[return-value]
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot parse overrides {overrides}: {exc}") from None
+    merged = OmegaConf.create()
+    for item in overrides:
+        # Parsed one at a time so that the error names the override at fault; values
+        # are YAML, whose parser raises its own errors, not omegaconf's.
+        try:
+            merged.merge_with_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError) as exc:
+            reason = " ".join(str(exc).split())
+            raise ConfigError(
+                f"cannot parse override {item!r}: {reason}. Values are YAML: quote the whole "
+                "override in the shell, e.g. 'algorithms.gpu_augmentation.crop_scale=[0.8, 1.0]'"
+            ) from None
+    return OmegaConf.to_container(merged)  # type: ignore[return-value]
 
 
 def build_config(

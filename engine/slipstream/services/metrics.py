@@ -35,6 +35,7 @@ class MetricsLogger:
         self._batches = 0
         self._samples_at_last = 0
         self._time_at_last = 0.0
+        self._eval_started: float | None = None
 
     @property
     def last(self) -> dict[str, dict[str, Any]]:
@@ -84,6 +85,10 @@ class MetricsLogger:
         self._samples_at_last, self._time_at_last = state.timestamp.samples, time.perf_counter()
 
     @hookimpl
+    def eval_start(self, state: State) -> None:
+        self._eval_started = time.perf_counter()
+
+    @hookimpl
     def eval_end(self, state: State) -> None:
         record = {
             "kind": "eval",
@@ -94,8 +99,11 @@ class MetricsLogger:
         }
         self._write({k: _scalar(v) for k, v in record.items()})
         self._last["eval"] = record
-        # Evaluation time is not training throughput.
-        self._time_at_last = time.perf_counter()
+        # Evaluation time is not training throughput: take it out of the interval
+        # (the interval's samples are kept, so the rate stays per training second).
+        if self._eval_started is not None:
+            self._time_at_last += time.perf_counter() - self._eval_started
+            self._eval_started = None
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
