@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python benchmarks/run_all.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
