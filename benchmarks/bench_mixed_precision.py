@@ -22,29 +22,8 @@ import torch
 from slipstream_mixed_precision import MixedPrecision, MixedPrecisionConfig
 from torch.utils.data import DataLoader
 
-from common import Result, parser, random_loader, report, run_variant
-from slipstream import Algorithm, hookimpl
+from common import Result, StepClock, parser, per_step, random_loader, report, run_variant
 from slipstream.models import build_model
-
-
-class ProcessClock(Algorithm):
-    """Process CPU time at the end of every batch. On a shared, oversubscribed
-    machine wall time mostly measures the neighbours; with one thread, CPU time per
-    step still measures the work (spin-waiting OpenMP threads inflate it above one)."""
-
-    name = "bench_cpu_clock"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.times: list[float] = []
-
-    @hookimpl
-    def batch_end(self, state: Any) -> None:
-        self.times.append(time.process_time())
-
-
-def per_step(times: list[float], warmup: int) -> float:
-    return (times[-1] - times[warmup - 1]) / (len(times) - warmup)
 
 
 def build(model_name: str, size: int, dtype: str | None, clocks: list, **model_kwargs: Any):
@@ -52,7 +31,8 @@ def build(model_name: str, size: int, dtype: str | None, clocks: list, **model_k
         torch.manual_seed(0)
         model = build_model(model_name, 10, image_size=size, **model_kwargs)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        clocks.append(ProcessClock())
+        # Process CPU time: on a shared machine wall time mostly measures the neighbours.
+        clocks.append(StepClock(time.process_time, name="bench_cpu_clock"))
         algos = [MixedPrecision(MixedPrecisionConfig(dtype=dtype))] if dtype else []
         return model, optimizer, [*algos, clocks[-1]]
 
@@ -82,7 +62,7 @@ def plain_loop(make, loader: DataLoader, steps: int, warmup: int, bf16: bool):
 def bench(model_name: str, size: int, batch: int, args: Any, **model_kwargs: Any) -> None:
     steps, warmup = args.steps, args.warmup
     loader = random_loader(batch * (warmup + steps), size, batch)
-    clocks: list[ProcessClock] = []
+    clocks: list[StepClock] = []
     fp32 = build(model_name, size, None, clocks, **model_kwargs)
     bf16 = build(model_name, size, "bf16", clocks, **model_kwargs)
 

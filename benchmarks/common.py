@@ -47,21 +47,30 @@ def random_loader(n: int, image_size: int, batch_size: int, num_classes: int = 1
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False, drop_last=True)
 
 
-class _StepTimer(Algorithm):
-    """Records the host time at the end of every batch (no device sync: the
-    final reading syncs, so the average over many steps is right)."""
+def per_step(times: list[float], warmup: int) -> float:
+    """Seconds per step from clock readings at the end of each step, the first
+    ``warmup`` steps left out (with none, the first reading is the start)."""
+    if warmup > 0:
+        return (times[-1] - times[warmup - 1]) / (len(times) - warmup)
+    return (times[-1] - times[0]) / (len(times) - 1)
 
-    name = "bench_timer"
 
-    def __init__(self) -> None:
+class StepClock(Algorithm):
+    """Reads ``clock`` at the end of every batch: host wall time by default, or e.g.
+    ``time.process_time`` for the process's CPU time. On CUDA it synchronises first,
+    so a reading is the end of that batch's device work."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, name: str = "bench_timer") -> None:
         super().__init__()
+        self.name = name  # two clocks in one run need two plugin names
+        self.clock = clock
         self.times: list[float] = []
 
     @hookimpl
     def batch_end(self, state: Any) -> None:
         if state.device.type == "cuda":
             torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
+        self.times.append(self.clock())
 
 
 class PeakRSS:
@@ -130,7 +139,7 @@ def run_variant(
 ) -> tuple[float, float]:
     """(seconds per step, peak MiB) for one training run of warmup + steps batches."""
     model, optimizer, algorithms = build()
-    timer = _StepTimer()
+    timer = StepClock()
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(
             model=model,
@@ -156,11 +165,7 @@ def run_variant(
         else:
             trainer.fit()
             peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else float("nan")
-    t = timer.times
-    step_s = (
-        (t[-1] - t[warmup - 1]) / (len(t) - warmup) if warmup > 0 else (t[-1] - t[0]) / (len(t) - 1)
-    )
-    return step_s, peak
+    return per_step(timer.times, warmup), peak
 
 
 def compare(
