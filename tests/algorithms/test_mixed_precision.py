@@ -90,9 +90,21 @@ def _epoch_losses(algos, tmp_path, epochs=4):
     return [sum(losses[i : i + per_epoch]) / per_epoch for i in range(0, len(losses), per_epoch)]
 
 
-def test_bf16_training_decreases_loss(tmp_path):
-    losses = _epoch_losses([MixedPrecision()], tmp_path)
+def _tracks_fp32(losses: list[float], fp32: list[float]) -> None:
+    # Both must learn, and the reduced-precision run must follow fp32's curve: a
+    # broken autocast or scaler (wrong dtype in the loss, skipped or unscaled steps)
+    # either stalls or drifts away from it.
+    assert fp32[-1] < 0.8 * fp32[0], fp32
     assert losses[-1] < 0.8 * losses[0], losses
+    for low, full in zip(losses, fp32, strict=True):
+        assert abs(low - full) <= 0.05 * fp32[0], (losses, fp32)
+
+
+def test_bf16_training_tracks_fp32(tmp_path):
+    fp32 = _epoch_losses([], tmp_path / "fp32")
+    bf16 = _epoch_losses([MixedPrecision()], tmp_path / "bf16")
+    assert bf16 != fp32  # autocast did change the arithmetic
+    _tracks_fp32(bf16, fp32)
 
 
 def test_config_errors():
@@ -254,9 +266,11 @@ def test_fp16_state_loaded_before_init_is_applied_at_init(tmp_path):
     assert mp.skipped_steps == 3
 
 
-def test_fp16_training_decreases_loss(tmp_path):
-    losses = _epoch_losses([fp16()], tmp_path, epochs=5)
-    assert losses[-1] < 0.8 * losses[0], losses
+def test_fp16_training_tracks_fp32(tmp_path):
+    fp32 = _epoch_losses([], tmp_path / "fp32", epochs=5)
+    half = _epoch_losses([fp16()], tmp_path / "fp16", epochs=5)
+    assert half != fp32
+    _tracks_fp32(half, fp32)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU on this machine)")
