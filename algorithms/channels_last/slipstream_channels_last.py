@@ -98,8 +98,8 @@ class ChannelsLast(Algorithm):
         self.active = True
 
     # trylast: after every batch transform of any plugin, declared order or not, so
-    # the tensor the model sees is the converted one. (The engine's normalisation
-    # may run before or after this; element-wise ops keep the memory format.)
+    # the tensor the model sees is the converted one. (The engine normalises after
+    # every batch_start; element-wise ops keep the memory format.)
     @hookimpl(trylast=True)
     def batch_start(self, state: State) -> None:
         if self.active:

@@ -128,7 +128,6 @@ class EMA(Algorithm):
         self._last_step = 0  # optimizer steps at the latest update
         self._last_batch = 0  # batches at the latest update
         self._backup: list[Tensor] | None = None  # live weights while the EMA is swapped in
-        self._pending: dict[str, Any] | None = None  # state loaded before init
 
     @property
     def ema_model(self) -> nn.Module:
@@ -150,8 +149,6 @@ class EMA(Algorithm):
             use_buffers=self.config.average_buffers,
         )
         self.averaged.requires_grad_(False)
-        if self._pending is not None:
-            self.load_state_dict(self._pending)
 
     @hookimpl
     def fit_start(self, state: State) -> None:
@@ -231,12 +228,9 @@ class EMA(Algorithm):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # The engine calls this after init (the hook contract), so the copy exists.
         if not state:
             return
-        if self.averaged is None:  # loaded before init: apply once the copy exists
-            self._pending = state
-            return
-        self._pending = None
         self.ema_model.load_state_dict(state["weights"])
         self.averaged.n_averaged.fill_(int(state["n_averaged"]))
         self._last_step = int(state["last_step"])

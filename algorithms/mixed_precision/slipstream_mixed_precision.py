@@ -77,7 +77,6 @@ class MixedPrecision(Algorithm):
         self.device_type = "cpu"
         self.scaler: torch.amp.GradScaler | None = None
         self.skipped_steps = 0
-        self._pending_scaler: dict[str, Any] | None = None
         self._stepped = False
         self._watched: torch.optim.Optimizer | None = None
         self._watch_handle: Any = None
@@ -104,9 +103,6 @@ class MixedPrecision(Algorithm):
                     stacklevel=2,
                 )
             self.scaler = torch.amp.GradScaler(self.device_type)
-            if self._pending_scaler is not None:
-                self.scaler.load_state_dict(self._pending_scaler)
-                self._pending_scaler = None
 
     # -- autocast around the engine's own steps -----------------------------------------
 
@@ -211,10 +207,7 @@ class MixedPrecision(Algorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         saved = state.get("scaler")
-        if saved is None:
-            return
-        if self.scaler is not None:
+        # Called after init (the hook contract), so an fp16 run has its scaler; a
+        # bf16 run resumed from an fp16 checkpoint has none to restore.
+        if saved is not None and self.scaler is not None:
             self.scaler.load_state_dict(saved)
-        elif self.dtype is None:  # loaded before init: apply when the scaler exists
-            self._pending_scaler = saved
-        # A bf16 run resumed from an fp16 checkpoint has no scaler to restore.

@@ -2,7 +2,11 @@
 
 This module is the reference for plugin authors. Every hook receives the one
 mutable :class:`slipstream.State`; a plugin implements a hook by defining a method
-of the same name decorated with :data:`slipstream.hookimpl`.
+of the same name decorated with :data:`slipstream.hookimpl`. A method marked as a
+hook whose name is not one of the hooks below (a typo such as ``batch_stat``) is
+refused when the run starts, with the plugin, the method and the closest hook name;
+this is checked after registration and again after ``init``, which may register
+helper plugins.
 
 There are three kinds of hook.
 
@@ -24,10 +28,75 @@ can either
 
 **Persistence** is not a hook: any plugin instance may define ``state_dict()`` and
 ``load_state_dict(state_dict)``; checkpoints store the result under the plugin's
-registered name, with its distribution's version and its config.
+registered name, with its distribution's version and its config. When a run
+resumes, ``load_state_dict`` is called once, *after* ``init`` and before
+``fit_start``: whatever ``init`` builds (an EMA copy, a GradScaler) exists when the
+saved state arrives. A plugin never sees ``load_state_dict`` before ``init``.
 
-Where the batch is at each event is written on the event. ``state.batch`` is
-``(inputs, targets)`` for classification, already on the run's device.
+Call order
+----------
+The order is pluggy's, for every hook alike:
+
+1. Wrappers (``wrapper=True``) run around everything else: the code before their
+   ``yield`` first, the code after it last. Among wrappers, ``tryfirst`` ones are
+   outermost, then plain ones, then ``trylast`` ones.
+2. Then the implementations that are not wrappers, in three tiers: ``tryfirst``,
+   then plain, then ``trylast``.
+3. Within the ``tryfirst`` and the plain tier, the plugin registered *last* is
+   called *first*. (pluggy inserts ``trylast`` implementations at the front of
+   the list, so within the ``trylast`` tier the plugin registered *first* is
+   called first.)
+
+The engine registers its own services first and the run's algorithms after them,
+the first algorithm of the resolved order (``runs_after``/``runs_before``, then the
+order given) last. So at every event, plain implementations run as:
+
+    algorithms, in the resolved order
+    -> engine.evaluation (evaluates at batch_end/epoch_end when an interval is due)
+    -> engine.metrics (writes the train/eval record to metrics.jsonl)
+    -> engine.progress (the progress bar, rank 0 only)
+    -> engine.checkpoint (saves at batch_end/epoch_end when due, and at fit_end)
+    -> engine.summary (writes summary.json at fit_end and on exception)
+
+so a checkpoint or a metrics record always holds what every algorithm did at that
+event. Exceptions to this order are marked: ``engine.evaluation``'s ``fit_end`` is
+``tryfirst`` (every ``fit_end`` sees the final evaluation), ``engine.progress``'s
+``fit_end`` is ``trylast``, and ``engine.steps`` provides every step as ``trylast``
+(the default a plugin replaces or wraps). An algorithm that must act after the
+engine's services (restore a global setting after the last checkpoint) uses
+``trylast``.
+
+``*_end`` events run in the same order as ``*_start`` events, not reversed. One
+rule for every event keeps ``tryfirst``/``trylast`` meaning the same everywhere and
+lets the engine's services record after every algorithm at the end of a batch or
+an evaluation too. A plugin that must undo something after the others have
+finished (restore weights it swapped in at ``eval_start``) makes its ``*_end``
+``trylast``; set-up and tear-down that must nest belong in a step wrapper.
+
+Where the batch is
+------------------
+``state.batch`` is ``(inputs, targets)`` for classification, already on the run's
+device, at every batch event. Normalisation is not a hook implementation: it is an
+explicit step of the loop that runs after ``batch_start`` (and after
+``eval_batch_start`` at evaluation) has returned, so it comes after every plugin's
+batch transform, ``trylast`` ones included. Each batch event says what the inputs
+are when it fires.
+
+    for each training batch:
+        state.batch = batch moved to the device
+        batch_start                        (batch transforms)
+        engine: normalise the inputs       (explicit step, always last)
+        before_forward
+        state.outputs = forward            (step)
+        after_forward
+        state.loss = compute_loss          (step, training only)
+        after_loss
+        before_backward; backward (step); after_backward
+        if should_step (step):
+            before_optimizer_step; optimizer_step (step); zero_grad
+            after_optimizer_step
+        advance state.timestamp
+        batch_end                          (evaluation and checkpoints when due)
 """
 
 from __future__ import annotations
@@ -105,15 +174,16 @@ def epoch_start(state: State) -> None:
 def batch_start(state: State) -> None:
     """A training batch has been loaded and moved to the device.
 
-    Batch transforms go here: resize, augment, change memory format. Inputs are
-    float in [0, 1] and not yet normalised (the engine normalises them last, as a
-    ``trylast`` implementation of this hook).
+    Batch transforms go here: resize, augment. Inputs are as the data loader
+    yielded them (float in [0, 1] for the built-in datasets) and not yet
+    normalised: the engine normalises them after this event has returned, after
+    every implementation of it, ``trylast`` ones included.
     """
 
 
 @hookspec
 def before_forward(state: State) -> None:
-    """The batch is final; ``state.outputs`` is about to be computed."""
+    """The batch is final and normalised; ``state.outputs`` is about to be computed."""
 
 
 @hookspec
@@ -172,9 +242,10 @@ def eval_start(state: State) -> None:
 
 @hookspec
 def eval_batch_start(state: State) -> None:
-    """An evaluation batch is on the device in ``state.batch`` (inputs in [0, 1]);
-    batch transforms that must also apply at evaluation (memory format) go here.
-    Training-only transforms (augmentation, resizing) must not."""
+    """An evaluation batch is on the device in ``state.batch``, as the loader
+    yielded it and not yet normalised (the engine normalises it after this event,
+    as at training). Transforms that must also apply at evaluation go here;
+    training-only transforms (augmentation, resizing) must not."""
 
 
 @hookspec
@@ -211,7 +282,11 @@ def forward(state: State) -> Any:
 
 @hookspec(firstresult=True)
 def compute_loss(state: State) -> Any:
-    """Return the loss (a scalar tensor) from ``state.outputs`` and ``state.batch``."""
+    """Return the loss (a scalar tensor) from ``state.outputs`` and ``state.batch``.
+
+    Training only: evaluation computes plain cross-entropy (and top-1 accuracy)
+    from the logits itself, so label smoothing or a replaced loss changes the
+    training loss and never the reported evaluation loss."""
 
 
 @hookspec(firstresult=True)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+import pluggy
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -154,10 +157,15 @@ def instantiate(
     return algorithms
 
 
-def resolve_order(algorithms: list[Algorithm]) -> list[Algorithm]:
+def resolve_order(
+    algorithms: list[Algorithm], installed: Collection[str] | None = None
+) -> list[Algorithm]:
     """One order for the run: declared constraints first, then the order given.
 
-    Refuses duplicates, conflicts and cycles, naming both sides.
+    Refuses duplicates, conflicts and cycles, naming both sides. With
+    ``installed`` (the names of the installed algorithms), a ``runs_after`` or
+    ``runs_before`` that names an algorithm neither installed nor in the run is
+    warned about: it is most likely a typo, and it constrains nothing.
     """
     by_name: dict[str, Algorithm] = {}
     for algo in algorithms:
@@ -172,6 +180,8 @@ def resolve_order(algorithms: list[Algorithm]) -> list[Algorithm]:
                 raise PluginError(
                     f"algorithm {algo.name!r} conflicts with {other!r}; enable only one of them"
                 )
+    if installed is not None:
+        _warn_unknown_order_names(algorithms, set(installed) | set(by_name))
     # Edges "a before b", from both sides' declarations.
     after: dict[str, set[str]] = {name: set() for name in by_name}
     for algo in algorithms:
@@ -190,6 +200,41 @@ def resolve_order(algorithms: list[Algorithm]) -> list[Algorithm]:
         ordered.append(first)
         del pending[first]
     return [by_name[n] for n in ordered]
+
+
+def _warn_unknown_order_names(algorithms: list[Algorithm], known: set[str]) -> None:
+    for algo in algorithms:
+        for key in ("runs_after", "runs_before"):
+            for other in getattr(algo, key):
+                if other not in known:
+                    warnings.warn(
+                        f"algorithm {algo.name!r} declares {key}={other!r}, but no algorithm "
+                        f"{other!r} is installed{did_you_mean(other, known)}; "
+                        "the constraint is ignored",
+                        stacklevel=3,
+                    )
+
+
+def check_hook_names(pm: pluggy.PluginManager) -> None:
+    """Refuse a method marked as a hook whose name is no hook (a typo).
+
+    Reports what pluggy's ``check_pending`` would find, but names the plugin, the
+    method and the closest hook, so the error says what to fix.
+    """
+    specified = [name for name in vars(pm.hook) if getattr(pm.hook, name).has_spec()]
+    for name in vars(pm.hook):
+        caller = getattr(pm.hook, name)
+        if name.startswith("_") or caller.has_spec():
+            continue
+        for impl in caller.get_hookimpls():
+            if not impl.optionalhook:
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r} ({type(impl.plugin).__name__}) marks "
+                    f"method {name!r} as a hook, but there is no hook {name!r}"
+                    f"{did_you_mean(name, specified)}; the hooks are listed in "
+                    "slipstream.hookspecs"
+                )
+    pm.check_pending()  # anything the loop above does not know of yet
 
 
 def _find_cycle(pending: dict[str, set[str]], done: list[str]) -> str:

@@ -29,6 +29,7 @@ from .duration import Duration
 from .errors import CheckpointError, ConfigError, PluginError
 from .plugins import (
     AlgorithmInfo,
+    check_hook_names,
     config_as_dict,
     discover,
     distribution_of,
@@ -97,7 +98,8 @@ class Trainer:
                 "max_duration cannot be in 'dur'; use ep, ba, sp or a wall-clock time"
             )
         self.installed = installed
-        self.algorithms = resolve_order(self._as_algorithms(algorithms))
+        chosen = self._as_algorithms(algorithms)
+        self.algorithms = resolve_order(chosen, installed=self._known_names(chosen))
         self._distributions = {a.name: distribution_of(a, self.installed) for a in self.algorithms}
         self.config = config or {}
         self.verbose = verbose and rank == 0
@@ -150,6 +152,17 @@ class Trainer:
             else:
                 raise PluginError(f"{item!r} is not an Algorithm instance or an algorithm name")
         return built
+
+    def _known_names(self, algorithms: list[Algorithm]) -> set[str]:
+        """Names an order declaration may use: the run's and the installed ones
+        (discovered only when a declaration names an algorithm outside the run)."""
+        names = {a.name for a in algorithms}
+        declared = {n for a in algorithms for n in (*a.runs_after, *a.runs_before)}
+        if declared <= names:
+            return names
+        if self.installed is None:
+            self.installed = discover(load=False)
+        return names | set(self.installed)
 
     def _choose_run_dir(self, run_dir: str | Path | None, overwrite: bool) -> Path:
         if run_dir is None:
@@ -204,14 +217,19 @@ class Trainer:
         self.pm.register(
             MetricsLogger(self.run_dir, log_interval, write=write), name=MetricsLogger.name
         )
-        self.evaluator = Evaluator(self.pm.hook, eval_interval)
+        # Not a hook implementation: an explicit step after batch_start, so it is
+        # last whatever plugins do.
+        self.normalize = Normalize(*normalize) if normalize is not None else Normalize()
+        self.evaluator = Evaluator(self.pm.hook, eval_interval, self.normalize)
         self.pm.register(self.evaluator, name=Evaluator.name)
-        if normalize is not None:
-            self.pm.register(Normalize(*normalize), name=Normalize.name)
         # The first algorithm in the resolved order is registered last, so its
         # events fire first and its step wrappers are outermost.
         for algo in reversed(self.algorithms):
             self.pm.register(algo, name=algo.name)
+        self._check_hooks()
+
+    def _check_hooks(self) -> None:
+        check_hook_names(self.pm)
         self._check_step_replacements()
 
     def _check_step_replacements(self) -> None:
@@ -256,7 +274,7 @@ class Trainer:
         previous_handler = self._install_sigterm()
         try:
             pm.hook.init(state=state)
-            self._check_step_replacements()  # init may have registered helpers
+            self._check_hooks()  # init may have registered helpers
             if self.load_path is not None:
                 self._resume(self.load_path)
             self._wrap_distributed()
@@ -289,6 +307,7 @@ class Trainer:
                 state.batch = to_device(batch, self.device)
                 samples = len(state.batch[0]) * state.world_size
                 h.batch_start(state=state)
+                state.batch = self.normalize(state.batch)
                 h.before_forward(state=state)
                 state.outputs = h.forward(state=state)
                 h.after_forward(state=state)

@@ -40,11 +40,10 @@ def run(tmp_path, algorithms: str, overrides: list[str] = ()) -> dict[str, list]
 
     cfg = build_config(None, algorithms, [*TINY, *overrides, f"trainer.run_dir={tmp_path / 'run'}"])
     trainer = build_trainer(cfg, verbose=False)
-    # The engine normalises every batch last; compare like with like.
-    norm = trainer.pm.get_plugin("engine.normalize")
-
+    # The engine normalises every batch after batch_start; compare like with like.
     def normalize(x):
-        return (x - norm.mean) / norm.std
+        return trainer.normalize((x, None))[0]
+
     trainer.pm.register(
         Probe(
             batch_start=raw,

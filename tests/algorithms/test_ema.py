@@ -238,14 +238,18 @@ def test_ema_state_survives_a_checkpoint_resume(tmp_path):
     assert resumed.state_dict()["last_step"] == straight.state_dict()["last_step"] == 8
 
 
-def test_state_loaded_before_init_is_applied_at_init():
+def test_state_is_loaded_after_init_as_the_contract_says():
+    # The engine calls load_state_dict after init (slipstream.hookspecs); before it,
+    # there is no averaged copy to load into, and the error says so.
     source = ema(decay=0.5)
     source.init(bare_state("10ep"))
     for p in source.ema_model.parameters():
         p.data.fill_(3.0)
+    with pytest.raises(RuntimeError, match="init"):
+        ema(decay=0.5).load_state_dict(source.state_dict())
     target = ema(decay=0.5)
-    target.load_state_dict(source.state_dict())
     target.init(bare_state("10ep"))
+    target.load_state_dict(source.state_dict())
     assert all(p.eq(3.0).all() for p in target.ema_model.parameters())
 
 

@@ -254,18 +254,6 @@ def test_fp16_scaler_state_saved_and_restored(tmp_path):
     assert resumed.summary["loss_scale"] == 2.0**14
 
 
-def test_fp16_state_loaded_before_init_is_applied_at_init(tmp_path):
-    mp = fp16()
-    saved = {"scale": 128.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-             "growth_interval": 2000, "_growth_tracker": 0}
-    mp.load_state_dict({"dtype": "fp16", "skipped_steps": 3, "scaler": saved})
-    scales: list[float] = []
-    probe = Probe(before_optimizer_step=lambda s: scales.append(mp.scaler.get_scale()))
-    train(tmp_path, [mp, probe], model=small_model(), max_duration="1ba", eval_interval=None)
-    assert scales == [128.0]
-    assert mp.skipped_steps == 3
-
-
 def test_fp16_training_tracks_fp32(tmp_path):
     fp32 = _epoch_losses([], tmp_path / "fp32", epochs=5)
     half = _epoch_losses([fp16()], tmp_path / "fp16", epochs=5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,8 +19,15 @@ from .batches import to_device
 class Evaluator:
     name = "engine.evaluation"
 
-    def __init__(self, hooks: Any, interval: Duration | str | None = "1ep") -> None:
+    def __init__(
+        self,
+        hooks: Any,
+        interval: Duration | str | None = "1ep",
+        prepare: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.hooks = hooks
+        # The loop's explicit input step (normalisation), run after eval_batch_start.
+        self.prepare = prepare or (lambda batch: batch)
         self.interval = Duration.parse(interval) if interval else None
         self._next: float | None = None
         self._last_eval_batch: int | None = None
@@ -72,6 +80,7 @@ class Evaluator:
             for batch in state.eval_loader:
                 state.batch = to_device(batch, state.device)
                 hooks.eval_batch_start(state=state)
+                state.batch = self.prepare(state.batch)
                 state.outputs = hooks.forward(state=state)
                 logits = (
                     state.outputs[0] if isinstance(state.outputs, (tuple, list)) else state.outputs

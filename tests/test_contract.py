@@ -1,0 +1,325 @@
+"""The hook contract as slipstream.hookspecs states it: refused typos, the call order,
+normalisation after every batch transform, when state is loaded, what is training-only."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pluggy
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import Probe, train
+from slipstream import Algorithm, PluginError, hookimpl
+from slipstream.hookspecs import PROJECT
+
+NORMALIZE = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+
+
+# -- hooks whose name is no hook ------------------------------------------------------------
+
+
+class Typo(Algorithm):
+    name = "typo"
+
+    @hookimpl
+    def batch_stat(self, state):  # meant batch_start
+        pass
+
+
+def test_a_misspelt_hook_is_refused_naming_plugin_method_and_closest_hook(tmp_path):
+    with pytest.raises(PluginError, match=r"'typo'.*'batch_stat'.*did you mean 'batch_start'"):
+        train(tmp_path, [Typo()], max_duration="1ba")
+
+
+def test_a_correctly_named_hook_of_the_same_plugin_is_accepted(tmp_path):
+    class Fixed(Algorithm):
+        name = "typo"
+
+        @hookimpl
+        def batch_start(self, state):
+            pass
+
+    train(tmp_path, [Fixed()], max_duration="1ba", eval_interval=None)
+
+
+class Helper:
+    @hookimpl
+    def after_optimiser_step(self, state):  # British spelling: no such hook
+        pass
+
+
+class RegistersHelperAtInit(Algorithm):
+    name = "registers_helper"
+
+    def __init__(self, pm_holder):
+        super().__init__()
+        self.pm_holder = pm_holder
+
+    @hookimpl
+    def init(self, state):
+        self.pm_holder["pm"].register(Helper(), name="registers_helper.helper")
+
+
+def test_a_misspelt_hook_registered_at_init_is_refused_before_the_first_batch(tmp_path):
+    from helpers import tiny_loaders, tiny_model
+    from slipstream import Trainer
+
+    holder: dict = {}
+    seen = Probe()
+    model = tiny_model()
+    train_data, _ = tiny_loaders()
+    trainer = Trainer(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        train_data=train_data,
+        max_duration="1ba",
+        algorithms=[RegistersHelperAtInit(holder), seen],
+        run_dir=tmp_path / "run",
+        device="cpu",
+        progress_bar=False,
+        verbose=False,
+    )
+    holder["pm"] = trainer.pm
+    with pytest.raises(PluginError, match=r"'after_optimiser_step'.*'after_optimizer_step'"):
+        trainer.fit()
+    assert "batch_start" not in seen.events
+
+
+# -- order declarations naming algorithms that are not installed ----------------------------
+
+
+class AfterMisspelt(Algorithm):
+    name = "after_misspelt"
+    runs_after = ("chanels_last",)
+
+
+class AfterInstalled(Algorithm):
+    name = "after_installed"
+    runs_after = ("channels_last",)  # installed, only not in this run: fine
+
+
+def test_runs_after_an_algorithm_that_is_not_installed_warns(tmp_path):
+    with pytest.warns(UserWarning, match=r"'after_misspelt'.*'chanels_last'.*'channels_last'"):
+        train(tmp_path, [AfterMisspelt()], max_duration="1ba", eval_interval=None)
+
+
+def test_runs_after_an_installed_algorithm_outside_the_run_is_silent(tmp_path):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*runs_after.*")
+        train(tmp_path, [AfterInstalled()], max_duration="1ba", eval_interval=None)
+
+
+# -- normalisation is last, whatever plugins do ---------------------------------------------
+
+
+class LateTransform(Algorithm):
+    """A third-party transform that asks to run last at batch_start."""
+
+    name = "late_transform"
+
+    def __init__(self):
+        super().__init__()
+        self.train_min: list[float] = []
+        self.eval_min: list[float] = []
+
+    @hookimpl(trylast=True)
+    def batch_start(self, state):
+        self.train_min.append(float(state.batch[0].min()))
+
+    @hookimpl(trylast=True)
+    def eval_batch_start(self, state):
+        self.eval_min.append(float(state.batch[0].min()))
+
+
+def test_a_trylast_transform_sees_inputs_before_normalisation(tmp_path):
+    from slipstream_channels_last import ChannelsLast
+
+    late = LateTransform()
+    model_min: list[float] = []
+    probe = Probe(before_forward=lambda s: model_min.append(float(s.batch[0].min())))
+    # channels_last has a trylast batch transform too: normalisation still comes after it.
+    train(
+        tmp_path,
+        [ChannelsLast(), late, probe],
+        max_duration="2ba",
+        normalize=NORMALIZE,
+    )
+    # The toy images are in [0, 1] with pixels at 0: normalised, those become -2.
+    assert late.train_min and min(late.train_min) >= 0.0
+    assert late.eval_min and min(late.eval_min) >= 0.0
+    assert model_min == pytest.approx([(m - 0.5) / 0.25 for m in late.train_min])
+
+
+def test_the_model_receives_normalised_inputs_and_without_normalize_raw_ones(tmp_path):
+    raw: list[torch.Tensor] = []
+    fed: list[torch.Tensor] = []
+    probe = Probe(
+        batch_start=lambda s: raw.append(s.batch[0].clone()),
+        before_forward=lambda s: fed.append(s.batch[0].clone()),
+    )
+    train(tmp_path / "on", [probe], max_duration="1ba", eval_interval=None, normalize=NORMALIZE)
+    torch.testing.assert_close(fed[0], (raw[0] - 0.5) / 0.25)
+    raw.clear(), fed.clear()
+    train(tmp_path / "off", [probe], max_duration="1ba", eval_interval=None)
+    assert torch.equal(fed[0], raw[0])
+
+
+# -- pluggy's call order, as hookspecs.py writes it -----------------------------------------
+
+
+def test_call_order_tiers_as_documented():
+    spec = pluggy.HookspecMarker(PROJECT)
+    log: list[str] = []
+
+    class Specs:
+        @spec
+        def event(self):
+            pass
+
+    def plugin(label, **marks):
+        class Plain:
+            @hookimpl(**marks)
+            def event(self):
+                log.append(label)
+
+        class Wrapper:
+            @hookimpl(**marks)
+            def event(self):
+                log.append(f"{label}:before")
+                result = yield
+                log.append(f"{label}:after")
+                return result
+
+        return Wrapper() if marks.get("wrapper") else Plain()
+
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(Specs)
+    for label, marks in [
+        ("last1", {"trylast": True}),
+        ("plain1", {}),
+        ("first1", {"tryfirst": True}),
+        ("wrap1", {"wrapper": True}),
+        ("last2", {"trylast": True}),
+        ("plain2", {}),
+        ("first2", {"tryfirst": True}),
+        ("wrap2", {"wrapper": True}),
+        ("firstwrap", {"wrapper": True, "tryfirst": True}),
+    ]:
+        pm.register(plugin(label, **marks), name=label)
+    pm.hook.event()
+    assert log == [
+        "firstwrap:before", "wrap2:before", "wrap1:before",
+        "first2", "first1",  # tryfirst: last registered first
+        "plain2", "plain1",  # plain: last registered first
+        "last1", "last2",  # trylast: first registered first
+        "wrap1:after", "wrap2:after", "firstwrap:after",
+    ]  # fmt: skip
+
+
+class Tagger(Algorithm):
+    """Records, at every start and end event, that it ran (in a shared log)."""
+
+    def __init__(self, name, log):
+        super().__init__()
+        self.name = name
+        self.log = log
+
+    def _note(self, event):
+        self.log.append((event, self.name))
+
+
+for _event in ("fit_start", "fit_end", "epoch_start", "epoch_end", "batch_start", "batch_end",
+               "eval_start", "eval_end", "eval_batch_start", "eval_batch_end"):  # fmt: skip
+
+    def _handler(self, state, _event=_event):
+        self._note(_event)
+
+    _handler.__name__ = _event
+    setattr(Tagger, _event, hookimpl(_handler))
+
+
+def test_end_events_run_in_the_order_of_start_events(tmp_path):
+    log: list[tuple[str, str]] = []
+    first, second = Tagger("first", log), Tagger("second", log)
+    second.runs_before = ("first",)  # the resolved order is second, first
+    train(tmp_path, [first, second], max_duration="1ep")
+    for event in ("fit", "epoch", "batch", "eval", "eval_batch"):
+        for edge in ("start", "end"):
+            order = [name for e, name in log if e == f"{event}_{edge}"][:2]
+            assert order == ["second", "first"], (event, edge, order)
+
+
+class CountsAtBatchEnd(Algorithm):
+    name = "counts_at_batch_end"
+
+    @hookimpl
+    def batch_end(self, state):
+        state.metrics["seen_batch"] = state.timestamp.batch
+
+
+def test_algorithms_act_before_the_engine_records_at_the_same_event(tmp_path):
+    trainer = train(
+        tmp_path, [CountsAtBatchEnd()], max_duration="4ba", log_interval=2, eval_interval=None
+    )
+    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    train_records = [r for r in records if r["kind"] == "train"]
+    assert [(r["step"], r["seen_batch"]) for r in train_records] == [(2, 2), (4, 4)]
+
+
+# -- persistence and training-only steps ----------------------------------------------------
+
+
+class Stateful(Probe):
+    name = "stateful"
+
+    def state_dict(self):
+        return {"value": 1}
+
+    def load_state_dict(self, state):
+        self.events.append("load_state_dict")
+
+
+def test_load_state_dict_runs_after_init_and_before_fit_start(tmp_path):
+    first = train(tmp_path / "a", [Stateful()], max_duration="2ba", eval_interval=None)
+    resumed = Stateful()
+    train(
+        tmp_path / "b",
+        [resumed],
+        max_duration="3ba",
+        eval_interval=None,
+        load_path=first.run_dir / "checkpoints" / "latest.pt",
+    )
+    assert resumed.events[:3] == ["init", "load_state_dict", "fit_start"]
+
+
+class ConstantLoss(Algorithm):
+    name = "constant_loss"
+
+    def __init__(self):
+        super().__init__()
+        self.calls_in_eval = 0
+
+    @hookimpl
+    def compute_loss(self, state):
+        self.calls_in_eval += not state.training
+        return state.outputs.float().sum() * 0 + 7.0
+
+
+def test_compute_loss_is_training_only_and_evaluation_uses_cross_entropy(tmp_path):
+    plugin = ConstantLoss()
+    logits: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
+
+    def keep(state):
+        logits.append(state.outputs.float())
+        targets.append(state.batch[1])
+
+    trainer = train(tmp_path, [plugin, Probe(eval_batch_end=keep)], max_duration="2ba")
+    assert plugin.calls_in_eval == 0
+    expected = F.cross_entropy(torch.cat(logits), torch.cat(targets)).item()
+    assert trainer.state.eval_metrics["loss"] == pytest.approx(expected, rel=1e-5)
+    assert trainer.state.eval_metrics["loss"] != pytest.approx(7.0)
