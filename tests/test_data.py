@@ -59,10 +59,9 @@ def test_synthetic_items_shape_dtype_range(image_size: int) -> None:
     assert len(ds) == 6
     image, target = ds[0]
     assert image.shape == (3, image_size, image_size)
-    assert image.dtype == torch.float32
-    assert 0.0 <= image.min() and image.max() <= 1.0
+    assert image.dtype == torch.uint8  # converted to float on the device, once per batch
     assert isinstance(target, int) and 0 <= target < 10
-    assert torch.equal(image, ds.images[0].float() / 255)
+    assert torch.equal(image, ds.images[0])
 
 
 @pytest.mark.parametrize("num_classes", [2, 10, 20])
@@ -220,18 +219,18 @@ def test_cifar10_from_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     train, val, n = build_datasets("cifar10", root=tmp_path)
     assert (len(train), len(val), n) == (20, 4, 10)
     image, target = train[0]
-    assert image.shape == (3, 32, 32) and image.dtype == torch.float32
-    assert 0 <= image.min() and image.max() <= 1 and isinstance(target, int)
-    # The pixels are the stored bytes / 255, in CHW order.
+    assert image.shape == (3, 32, 32) and image.dtype == torch.uint8
+    assert isinstance(target, int)
+    # The pixels are the stored bytes, in CHW order.
     with open(tmp_path / "cifar-10-batches-py" / "data_batch_1", "rb") as f:
         raw = pickle.load(f)["data"][0].reshape(3, 32, 32)
-    assert torch.equal(image, torch.from_numpy(raw).float() / 255)
+    assert torch.equal(image, torch.from_numpy(raw))
 
 
 def test_cifar10_resized(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_cifar10(tmp_path, monkeypatch)
     train, _, _ = build_datasets("cifar10", root=tmp_path, image_size=48)
-    assert train[0][0].shape == (3, 48, 48)
+    assert train[0][0].shape == (3, 48, 48) and train[0][0].dtype == torch.uint8
 
 
 def test_cifar100_from_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -283,8 +282,8 @@ def test_imagefolder(tmp_path: Path) -> None:
     assert n == 3 and len(train) == len(val) == 9
     for i in (0, len(train) - 1):
         image, target = train[i]
-        assert image.shape == (3, 24, 24) and image.dtype == torch.float32
-        assert 0 <= image.min() and image.max() <= 1 and 0 <= target < 3
+        assert image.shape == (3, 24, 24) and image.dtype == torch.uint8
+        assert 0 <= target < 3
     assert train.classes == ["cat", "dog", "emu"]
 
 
@@ -476,3 +475,16 @@ def test_eval_loader_covers_every_sample_once(small_synthetic: SyntheticShapes) 
     targets = torch.cat([y for _, y in loader])
     assert torch.equal(targets, small_synthetic.targets)
     assert [len(y) for _, y in loader] == [12, 12, 12, 4]
+
+
+def test_imagefolder_reads_formats_torchvision_io_lacks_and_names_unreadable_files(
+    tmp_path: Path,
+) -> None:
+    from slipstream.data.datasets import read_rgb
+
+    pixels = np.random.default_rng(0).integers(0, 256, (6, 5, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "a.bmp")
+    assert torch.equal(read_rgb(str(tmp_path / "a.bmp")), torch.from_numpy(pixels).permute(2, 0, 1))
+    (tmp_path / "broken.jpg").write_bytes(b"not a picture")
+    with pytest.raises(DataError, match="cannot decode .*broken.jpg"):
+        read_rgb(str(tmp_path / "broken.jpg"))

@@ -2,9 +2,11 @@
 
 oneDNN on CPU and cuDNN on tensor-core GPUs run 2-D convolutions fastest on NHWC
 data; in the default NCHW layout they reorder every activation before and after
-each convolution. Converting the weights once and every input batch (a single cheap
-copy) keeps the whole network in NHWC: element-wise ops, batch norm and pooling
-preserve the memory format of their input.
+each convolution. Converting the weights once and every input batch keeps the whole
+network in NHWC: element-wise ops, batch norm and pooling preserve the memory format
+of their input. The plugin converts no batch itself: it sets
+``state.input_memory_format``, and the engine writes each batch in that format in the
+same pass that converts it to float and normalises it, after every batch transform.
 """
 
 from __future__ import annotations
@@ -70,8 +72,6 @@ class ChannelsLast(Algorithm):
 
     name = "channels_last"
     config_class = ChannelsLastConfig
-    # Resizing or augmenting a batch makes a fresh (NCHW) tensor: convert after them.
-    runs_after = ("image_size_curriculum", "gpu_augmentation")
 
     def __init__(self, config: ChannelsLastConfig | None = None) -> None:
         super().__init__(config)
@@ -95,17 +95,7 @@ class ChannelsLast(Algorithm):
                 stacklevel=1,
             )
         apply_channels_last(state.model)
+        # The engine converts every batch (training and evaluation) to this format
+        # after all batch transforms, in the pass that normalises it: no extra copy.
+        state.input_memory_format = torch.channels_last
         self.active = True
-
-    # trylast: after every batch transform of any plugin, declared order or not, so
-    # the tensor the model sees is the converted one. (The engine normalises after
-    # every batch_start; element-wise ops keep the memory format.)
-    @hookimpl(trylast=True)
-    def batch_start(self, state: State) -> None:
-        if self.active:
-            state.batch = batch_to_channels_last(state.batch)
-
-    @hookimpl(trylast=True)
-    def eval_batch_start(self, state: State) -> None:
-        if self.active:
-            state.batch = batch_to_channels_last(state.batch)

@@ -2,9 +2,11 @@
 
 A per-sample transform in the DataLoader runs image by image on the host; kornia
 augments the whole batch at once where the batch already is (the GPU, when there
-is one), with random parameters drawn per sample. The plugin augments training
-batches at ``batch_start``, after an image-size curriculum has shrunk them (fewer
-pixels to warp) and before channels-last changes their memory format.
+is one), with random parameters drawn per sample on that device too. The plugin
+augments training batches at ``batch_start``, after an image-size curriculum has
+shrunk them (fewer pixels to warp). Batches arrive ``uint8`` (or float in [0, 1]
+from a float loader) and leave float in [0, 1]; the engine normalises them and
+sets their memory format afterwards.
 
 Reproducibility: kornia 0.9 draws its parameters from ``torch.distributions``,
 which use the global RNG and take no ``torch.Generator``. So each batch is
@@ -29,7 +31,7 @@ import kornia.augmentation.auto as KA
 import torch
 from torch import nn
 
-from slipstream import Algorithm, State, hookimpl
+from slipstream import Algorithm, State, hookimpl, to_unit_float
 
 PRESETS = ("light", "trivial", "randaugment", "custom")
 
@@ -216,7 +218,7 @@ class _FollowInputSize(nn.Module):
         h, w = inputs.shape[-2:]
         key = f"{h}x{w}"
         if key not in self.by_size:
-            self.by_size[key] = self.cls(size=(h, w), **self.kwargs)
+            self.by_size[key] = place_pipeline(self.cls(size=(h, w), **self.kwargs), inputs.device)
         return self.by_size[key](inputs)
 
     def extra_repr(self) -> str:
@@ -234,8 +236,8 @@ def build_augmentation(config: GpuAugmentationConfig | None = None) -> nn.Module
     """The kornia pipeline for ``config`` (defaults: the ``light`` preset).
 
     Takes and returns float batches ``(N, C, H, W)`` in [0, 1] of any size;
-    crops resize back to the input's size. The module stays on the CPU: kornia
-    samples its parameters there and moves them to the batch's device.
+    crops resize back to the input's size. Built on the CPU; :func:`place_pipeline`
+    moves it (and where its random parameters are drawn) to the batch's device.
     """
     config = config or GpuAugmentationConfig()
     stages = []
@@ -243,6 +245,16 @@ def build_augmentation(config: GpuAugmentationConfig | None = None) -> nn.Module
         kwargs = {k: v for k, v in spec.items() if k != "name"}
         stages.append(_stage(AUGMENTATIONS[spec["name"]], kwargs))
     return nn.Sequential(*stages)
+
+
+def place_pipeline(pipeline: nn.Module, device: torch.device) -> nn.Module:
+    """Move ``pipeline`` to ``device`` and have kornia draw its random parameters
+    there, so that no parameter is copied from the host for each batch. Returns it."""
+    pipeline.to(device)
+    for module in pipeline.modules():
+        if hasattr(module, "set_rng_device_and_dtype"):  # every kornia augmentation
+            module.set_rng_device_and_dtype(device, torch.float32)
+    return pipeline
 
 
 @contextmanager
@@ -281,14 +293,16 @@ def batch_seed(seed: int, rank: int, batch: int) -> int:
 def augment_batch(
     inputs: torch.Tensor, pipeline: nn.Module, seed: int | None = None
 ) -> torch.Tensor:
-    """Augment a float batch in [0, 1] with ``pipeline`` (from :func:`build_augmentation`).
+    """Augment an image batch with ``pipeline`` (from :func:`build_augmentation`,
+    placed on the batch's device with :func:`place_pipeline`).
 
-    Parameters are random per sample. With ``seed``, the result depends on the
-    seed alone and the global RNG is left untouched (kornia takes no
-    ``torch.Generator``, so this forks the global one); without it, the global
-    RNG is used and advanced. The result has the input's shape and dtype and
-    stays in [0, 1]; ``inputs`` is not modified.
+    ``inputs`` is ``uint8`` (0-255) or float in [0, 1]. Parameters are random per
+    sample. With ``seed``, the result depends on the seed alone and the global RNG
+    is left untouched (kornia takes no ``torch.Generator``, so this forks the
+    global one); without it, the global RNG is used and advanced. The result has
+    the input's shape, is float in [0, 1]; ``inputs`` is not modified.
     """
+    inputs = to_unit_float(inputs)
     if seed is None:
         out = pipeline(inputs)
     else:
@@ -300,9 +314,12 @@ def augment_batch(
             f"to {tuple(out.shape)}; "
             "leave out `size` so crops follow the input size"
         )
-    # Some intensity operations (noise, brightness) may leave [0, 1]. Out of place:
-    # an augmentation that skips a batch may hand back the input itself.
-    return out.to(inputs.dtype).clamp(0, 1)
+    # Some intensity operations (noise, brightness) may leave [0, 1]. In place, unless
+    # an augmentation that skipped the batch handed back the input itself.
+    out = out.to(inputs.dtype)
+    if out.untyped_storage().data_ptr() == inputs.untyped_storage().data_ptr():
+        return out.clamp(0, 1)
+    return out.clamp_(0, 1)
 
 
 class GpuAugmentation(Algorithm):
@@ -310,18 +327,21 @@ class GpuAugmentation(Algorithm):
 
     name = "gpu_augmentation"
     config_class = GpuAugmentationConfig
-    # Augment the already-resized (smaller, cheaper) batch; channels-last comes after.
+    # Augment the already-resized (smaller, cheaper) batch.
     runs_after = ("image_size_curriculum",)
-    runs_before = ("channels_last",)
 
     def __init__(self, config: GpuAugmentationConfig | None = None) -> None:
         super().__init__(config)
         self.pipeline = build_augmentation(self.config)
+        self._device = torch.device("cpu")
 
     @hookimpl
     def batch_start(self, state: State) -> None:
         # Training batches only: evaluation fires eval_batch_start, which this plugin leaves alone.
         inputs, *rest = state.batch
+        if inputs.device != self._device:
+            self._device = inputs.device
+            place_pipeline(self.pipeline, inputs.device)
         seed = batch_seed(state.seed, state.rank, state.timestamp.batch)
         threads = self.config.cpu_threads if inputs.device.type == "cpu" else 0
         with intra_op_threads(threads):

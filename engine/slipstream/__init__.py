@@ -6,6 +6,8 @@ The public API, which plugins may import:
 - :class:`Algorithm` is the base class of a technique; :data:`hookimpl` marks its
   hook methods (the contract is :mod:`slipstream.hookspecs`).
 - :class:`Duration` parses ``10ep``, ``0.3dur``, ``15m`` ...
+- :func:`to_unit_float` turns a ``uint8`` or float image batch into float in [0, 1],
+  for plugins that transform pixels at ``batch_start``.
 """
 
 from .algorithm import Algorithm
@@ -13,6 +15,7 @@ from .checkpoint import load_checkpoint
 from .duration import Duration, DurationError
 from .errors import CheckpointError, ConfigError, PluginError, SlipstreamError
 from .hookspecs import hookimpl
+from .images import to_unit_float
 from .state import State, Timestamp, unwrap_model
 from .trainer import Trainer
 
@@ -31,5 +34,6 @@ __all__ = [
     "Trainer",
     "hookimpl",
     "load_checkpoint",
+    "to_unit_float",
     "unwrap_model",
 ]

@@ -38,7 +38,7 @@ class DataConfig:
     batch_size: int = 128  # per process
     eval_batch_size: Optional[int] = None  # None: 2 x batch_size
     num_workers: int = 0
-    pin_memory: bool = False
+    pin_memory: bool = True  # page-locked batches for non_blocking copies; CUDA only (runner)
     persistent_workers: bool = False
     drop_last: bool = True
     normalize: bool = True  # normalise on the device with the dataset's mean/std

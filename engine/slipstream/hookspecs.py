@@ -73,19 +73,35 @@ an evaluation too. A plugin that must undo something after the others have
 finished (restore weights it swapped in at ``eval_start``) makes its ``*_end``
 ``trylast``; set-up and tear-down that must nest belong in a step wrapper.
 
-Where the batch is
-------------------
+Where the batch is, and what it holds
+-------------------------------------
 ``state.batch`` is ``(inputs, targets)`` for classification, already on the run's
 device, at every batch event. Normalisation is not a hook implementation: it is an
 explicit step of the loop that runs after ``batch_start`` (and after
 ``eval_batch_start`` at evaluation) has returned, so it comes after every plugin's
-batch transform, ``trylast`` ones included. Each batch event says what the inputs
-are when it fires.
+batch transform, ``trylast`` ones included.
+
+At ``batch_start`` and ``eval_batch_start`` the inputs are as the loader yielded
+them, moved to the device: for the built-in datasets (synthetic, CIFAR,
+ImageFolder) ``uint8`` in 0-255, ``(N, C, H, W)``, contiguous NCHW (a quarter of the
+bytes of float32 through collate and transfer; pinned and copied ``non_blocking`` on
+CUDA). A user's loader may yield float in [0, 1] instead. A plugin earlier in the
+order may already have replaced them (a resize keeps ``uint8`` on CPU; an
+augmentation returns float in [0, 1]). A plugin that computes on pixel values calls
+:func:`slipstream.to_unit_float`, which turns either into float in [0, 1] (a copy
+for ``uint8``, nothing for float); one that only moves pixels (crop, flip) may keep
+the dtype. Never normalise here: the engine does.
+
+From ``before_forward`` on, and at ``eval_batch_end``, the inputs are what the model
+receives: float32, normalised with the dataset's mean and std (``data.normalize``;
+without it, in [0, 1]; a float batch without normalisation is left as it is), in
+``state.input_memory_format`` (contiguous NCHW by default; channels-last when a
+plugin such as ``channels_last`` sets it at ``init``). Only 4-D inputs are converted.
 
     for each training batch:
         state.batch = batch moved to the device
-        batch_start                        (batch transforms)
-        engine: normalise the inputs       (explicit step, always last)
+        batch_start                        (batch transforms; uint8 or float [0, 1])
+        engine: float32, normalised, in state.input_memory_format (always last)
         before_forward
         state.outputs = forward            (step)
         after_forward
@@ -175,15 +191,18 @@ def batch_start(state: State) -> None:
     """A training batch has been loaded and moved to the device.
 
     Batch transforms go here: resize, augment. Inputs are as the data loader
-    yielded them (float in [0, 1] for the built-in datasets) and not yet
-    normalised: the engine normalises them after this event has returned, after
-    every implementation of it, ``trylast`` ones included.
+    yielded them (``uint8`` NCHW for the built-in datasets, float in [0, 1] from a
+    float loader) or as an earlier plugin left them, and not yet normalised: the
+    engine converts them to float32, normalises them and sets their memory format
+    after this event has returned, after every implementation of it, ``trylast``
+    ones included. Call :func:`slipstream.to_unit_float` before computing on pixels.
     """
 
 
 @hookspec
 def before_forward(state: State) -> None:
-    """The batch is final and normalised; ``state.outputs`` is about to be computed."""
+    """The batch is final: float32, normalised, in ``state.input_memory_format``;
+    ``state.outputs`` is about to be computed."""
 
 
 @hookspec
@@ -243,14 +262,16 @@ def eval_start(state: State) -> None:
 @hookspec
 def eval_batch_start(state: State) -> None:
     """An evaluation batch is on the device in ``state.batch``, as the loader
-    yielded it and not yet normalised (the engine normalises it after this event,
-    as at training). Transforms that must also apply at evaluation go here;
-    training-only transforms (augmentation, resizing) must not."""
+    yielded it (``uint8`` for the built-in datasets) and not yet normalised: the
+    engine converts and normalises it after this event, as at training.
+    Transforms that must also apply at evaluation go here; training-only
+    transforms (augmentation, resizing) must not."""
 
 
 @hookspec
 def eval_batch_end(state: State) -> None:
-    """``state.outputs`` holds the outputs for the evaluation batch."""
+    """``state.outputs`` holds the outputs for the evaluation batch, whose inputs
+    are as the model received them (float32, normalised)."""
 
 
 @hookspec

@@ -79,6 +79,10 @@ class State:
 
     # Precision: the autocast dtype a plugin set (None = full precision).
     autocast_dtype: torch.dtype | None = None
+    # The memory format the model wants its 4-D inputs in. Any plugin may set it
+    # (channels_last does, at init); the engine converts the batch to it once,
+    # when it normalises the inputs after batch_start.
+    input_memory_format: torch.memory_format = torch.contiguous_format
 
     # The algorithms of this run, in their resolved order.
     algorithms: list[Any] = field(default_factory=list)

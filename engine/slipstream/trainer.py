@@ -220,7 +220,7 @@ class Trainer:
         # Not a hook implementation: an explicit step after batch_start, so it is
         # last whatever plugins do.
         self.normalize = Normalize(*normalize) if normalize is not None else Normalize()
-        self.evaluator = Evaluator(self.pm.hook, eval_interval, self.normalize)
+        self.evaluator = Evaluator(self.pm.hook, eval_interval, self.normalize.prepare)
         self.pm.register(self.evaluator, name=Evaluator.name)
         # The first algorithm in the resolved order is registered last, so its
         # events fire first and its step wrappers are outermost.
@@ -307,7 +307,7 @@ class Trainer:
                 state.batch = to_device(batch, self.device)
                 samples = len(state.batch[0]) * state.world_size
                 h.batch_start(state=state)
-                state.batch = self.normalize(state.batch)
+                self.normalize.prepare(state)
                 h.before_forward(state=state)
                 state.outputs = h.forward(state=state)
                 h.after_forward(state=state)

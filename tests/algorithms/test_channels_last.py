@@ -17,7 +17,7 @@ from slipstream_channels_last import (
 )
 
 from helpers import Probe, tiny_loaders, tiny_model, train
-from slipstream import ConfigError, Trainer
+from slipstream import Algorithm, ConfigError, Trainer, hookimpl
 from slipstream.plugins import build_config, discover
 
 CL = torch.channels_last
@@ -61,13 +61,21 @@ def _resize_to_24(state) -> None:
     state.batch = (resized.contiguous(), targets)
 
 
-class ResizeBefore(Probe):
-    name = "image_size_curriculum"  # the name channels_last declares it runs after
+class ResizeEarlier(Probe):
+    name = "image_size_curriculum"  # earlier in the order: a name channels_last knows
 
 
-class ResizeAfterInOrder(Probe):
+class ResizeLater(Probe):
     name = "late_resize"
-    runs_after = ("channels_last",)  # fires after channels_last at batch_start ...
+    runs_after = ("channels_last",)  # fires after channels_last at batch_start
+
+
+class ResizeLast(Algorithm):
+    name = "trylast_resize"
+
+    @hookimpl(trylast=True)
+    def batch_start(self, state):
+        _resize_to_24(state)
 
 
 def test_model_and_inputs_channels_last_when_on(tmp_path):
@@ -88,23 +96,34 @@ def test_nothing_changes_when_off(tmp_path):
     assert record.eval_inputs_cl and not any(record.eval_inputs_cl)
 
 
-def test_still_channels_last_after_a_resize_placed_before_it(tmp_path):
-    resize, record = ResizeBefore(batch_start=_resize_to_24), Record()
-    trainer = train(tmp_path, [ChannelsLast(), resize, record], max_duration="3ba")
-    order = [a.name for a in trainer.algorithms]
-    assert order.index("image_size_curriculum") < order.index("channels_last")
-    assert record.input_sizes == [24, 24, 24]
-    assert all(record.inputs_cl)
-
-
-def test_still_channels_last_after_a_resize_later_in_the_order(tmp_path):
-    # ... but channels_last's batch_start is trylast, so it still converts last.
-    resize, record = ResizeAfterInOrder(batch_start=_resize_to_24), Record()
-    trainer = train(tmp_path, [ChannelsLast(), resize, record], max_duration="2ba")
-    order = [a.name for a in trainer.algorithms]
-    assert order.index("channels_last") < order.index("late_resize")
+@pytest.mark.parametrize(
+    "resize",
+    [
+        lambda: ResizeEarlier(batch_start=_resize_to_24),
+        lambda: ResizeLater(batch_start=_resize_to_24),
+        ResizeLast,
+    ],
+    ids=["earlier", "later", "trylast"],
+)
+def test_channels_last_after_a_resize_anywhere_in_the_order(tmp_path, resize):
+    # The engine writes the batch in the model's format after every batch_start
+    # implementation, so where a transform sits does not matter.
+    record = Record()
+    train(tmp_path, [ChannelsLast(), resize(), record], max_duration="2ba")
     assert record.input_sizes == [24, 24]
     assert all(record.inputs_cl)
+
+
+def test_the_plugin_sets_the_input_memory_format_and_converts_no_batch(tmp_path):
+    formats = []
+    probe = Probe(fit_start=lambda s: formats.append(s.input_memory_format))
+    seen_at_batch_start = []
+    probe.callbacks["batch_start"] = lambda s: seen_at_batch_start.append(
+        s.batch[0].is_contiguous()
+    )
+    train(tmp_path, [ChannelsLast(), probe], max_duration="2ba", eval_interval=None)
+    assert formats == [CL]
+    assert all(seen_at_batch_start)  # NCHW as collated: the engine converts later
 
 
 def test_vit_warns_and_trains(tmp_path):

@@ -12,6 +12,7 @@ from slipstream_gpu_augmentation import (
     augment_batch,
     batch_seed,
     build_augmentation,
+    place_pipeline,
 )
 
 from helpers import Probe, tiny_loaders
@@ -159,12 +160,11 @@ def test_bad_config_is_refused_before_the_run_with_a_clear_message(options, mess
     assert "algorithms.gpu_augmentation" in str(info.value)
 
 
-def test_discovered_through_its_entry_point_and_ordered_between_curriculum_and_channels_last():
+def test_discovered_through_its_entry_point_and_ordered_after_the_curriculum():
     assert discover()["gpu_augmentation"].cls is GpuAugmentation
-    names = ("channels_last", "image_size_curriculum")
-    others = [type(n, (Algorithm,), {"name": n})() for n in names]
-    order = [a.name for a in resolve_order([others[0], GpuAugmentation(), others[1]])]
-    assert order == ["image_size_curriculum", "gpu_augmentation", "channels_last"]
+    curriculum = type("C", (Algorithm,), {"name": "image_size_curriculum"})()
+    order = [a.name for a in resolve_order([GpuAugmentation(), curriculum])]
+    assert order == ["image_size_curriculum", "gpu_augmentation"]
 
 
 # -- in training -----------------------------------------------------------------------
@@ -251,3 +251,15 @@ def test_augments_the_batch_after_a_resize_to_another_size(tmp_path):
     on = train_inputs(tmp_path, [aug(), FakeCurriculum(batch_start=shrink)], max_duration="3ba")
     assert [tuple(x.shape) for x in on] == [(16, 3, 12, 12)] * 3
     assert not any(torch.equal(a, b) for a, b in zip(on, resized, strict=True))
+
+
+def test_uint8_batches_are_augmented_as_their_float_twins_and_left_unmodified():
+    x = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
+    kept = x.clone()
+    pipeline = place_pipeline(build_augmentation(), x.device)
+    from_uint8 = augment_batch(x, pipeline, seed=3)
+    from_float = augment_batch(x.float() / 255, pipeline, seed=3)
+    assert from_uint8.dtype == torch.float32 and from_uint8.shape == x.shape
+    torch.testing.assert_close(from_uint8, from_float)
+    assert not torch.equal(from_uint8, x.float() / 255)
+    assert torch.equal(x, kept)

@@ -1,7 +1,9 @@
 """Datasets and deterministic loaders.
 
-Every item is `(image, target)`: a float32 C x H x W tensor in [0, 1] (not normalised:
-the engine normalises on the device with `DATASET_STATS`) and an int class index.
+Every item is `(image, target)`: a uint8 C x H x W tensor (0-255) and an int class
+index. Batches stay uint8 through collate and transfer; the engine converts them to
+float and normalises them on the device with `DATASET_STATS`, after every batch
+transform (`slipstream.to_unit_float` gives a plugin float pixels in [0, 1]).
 """
 
 from .datasets import DATASET_NAMES, DATASET_STATS, DataError, build_datasets

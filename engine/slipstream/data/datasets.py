@@ -1,12 +1,26 @@
-"""build_datasets: the train/val datasets for a `data.name`, as (image in [0, 1], int)."""
+"""build_datasets: the train/val datasets for a `data.name`, as (uint8 C x H x W image, int).
+
+Images stay uint8 (0-255) through collate and transfer: a quarter of the bytes of
+float32, and no per-sample conversion on the host. The engine converts each batch to
+float and normalises it once, on the device.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import numpy as np
+import torch
+from PIL import Image
 from torch.utils.data import Dataset
-from torchvision import datasets, transforms
+from torchvision import datasets
+from torchvision.transforms import v2
+
+try:  # deprecated since torchvision 0.29 (TorchCodec takes over); PIL when it is gone
+    from torchvision.io import ImageReadMode, decode_image
+except ImportError:  # pragma: no cover - depends on the torchvision release
+    decode_image = None
 
 from .synthetic import SyntheticShapes
 
@@ -14,7 +28,7 @@ DATASET_NAMES: tuple[str, ...] = ("synthetic", "cifar10", "cifar100", "imagefold
 
 Stats = tuple[tuple[float, float, float], tuple[float, float, float]]
 
-# Per-channel (mean, std) of the [0, 1] images, for normalising on the device.
+# Per-channel (mean, std) of the images scaled to [0, 1], for normalising on the device.
 # `synthetic` was measured on 10 000 rendered 32 px train images (seed 0); the others
 # are the usual published values (ImageNet's for imagefolder).
 DATASET_STATS: dict[str, Stats] = {
@@ -29,14 +43,60 @@ class DataError(ValueError):
     """A dataset cannot be built as configured (unknown name, missing files, bad layout)."""
 
 
+class ImageArray(Dataset):
+    """Images held in memory as one uint8 ``N x C x H x W`` tensor, with int targets.
+
+    Items are views of that tensor (collate copies them into the batch), resized
+    per item when ``image_size`` differs from the stored size.
+    """
+
+    def __init__(
+        self, images: torch.Tensor, targets: list[int], classes: list[str], image_size: int
+    ) -> None:
+        self.images = images
+        self.targets = list(targets)
+        self.classes = list(classes)
+        stored = images.shape[-1]
+        self.resize = None if image_size == stored else v2.Resize((image_size, image_size))
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = self.images[index]
+        return (image if self.resize is None else self.resize(image)), self.targets[index]
+
+
+def _from_torchvision_cifar(ds: datasets.CIFAR10, image_size: int) -> ImageArray:
+    # torchvision's CIFAR goes through a PIL image per item; its arrays are all we need.
+    images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
+    return ImageArray(images, ds.targets, ds.classes, image_size)
+
+
+def read_rgb(path: str) -> torch.Tensor:
+    """Decode an image file to a uint8 ``3 x H x W`` tensor (grey and RGBA become RGB).
+
+    torchvision.io decodes PNG about 1.5x and JPEG about 1.3x as fast as PIL here
+    (benchmarks/bench_imagefolder.py); PIL is the fallback for what it cannot read.
+    """
+    if decode_image is not None:
+        try:
+            return decode_image(path, mode=ImageReadMode.RGB)
+        except RuntimeError:
+            pass  # a format torchvision.io lacks (BMP, TIFF, ...): try PIL
+    try:
+        with Image.open(path) as image:
+            return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+    except OSError as err:
+        raise DataError(f"imagefolder: cannot decode {path}: {err}") from None
+
+
 def _cifar(
     name: str, root: str | os.PathLike | None, image_size: int, download: bool
 ) -> tuple[Dataset, Dataset, int]:
     cls = datasets.CIFAR10 if name == "cifar10" else datasets.CIFAR100
     if root is None:
         raise DataError(f"{name} needs data.root: the directory that holds {cls.base_folder}/")
-    steps: list = [] if image_size == 32 else [transforms.Resize((image_size, image_size))]
-    tf = transforms.Compose([*steps, transforms.ToTensor()])
     folder = Path(root) / cls.base_folder
     if not download and not folder.is_dir():
         raise DataError(
@@ -44,30 +104,33 @@ def _cifar(
             f"Set data.download=true to fetch it into {root}."
         )
     try:
-        train = cls(str(root), train=True, download=download, transform=tf)
-        val = cls(str(root), train=False, download=download, transform=tf)
+        train = cls(str(root), train=True, download=download)
+        val = cls(str(root), train=False, download=download)
     except RuntimeError as err:  # torchvision's "not found or corrupted"
         raise DataError(
             f"{name} in {folder} is incomplete or corrupted ({err}). "
             f"Delete it and set data.download=true to fetch it again."
         ) from err
-    return train, val, len(train.classes)
+    return (
+        _from_torchvision_cifar(train, image_size),
+        _from_torchvision_cifar(val, image_size),
+        len(train.classes),
+    )
 
 
 def _imagefolder(root: str | os.PathLike | None, image_size: int) -> tuple[Dataset, Dataset, int]:
     layout = "<root>/train/<class>/*.jpg and <root>/val/<class>/*.jpg"
     if root is None:
         raise DataError(f"imagefolder needs data.root, laid out as {layout}")
-    tf = transforms.Compose(
-        [transforms.Resize(image_size), transforms.CenterCrop(image_size), transforms.ToTensor()]
-    )
+    # On the decoded uint8 tensor: the shorter side to image_size, then the centre.
+    tf = v2.Compose([v2.Resize(image_size), v2.CenterCrop(image_size)])
     splits = {}
     for split in ("train", "val"):
         path = Path(root) / split
         if not path.is_dir():
             raise DataError(f"imagefolder: {path} does not exist; expected {layout}")
         try:
-            splits[split] = datasets.ImageFolder(str(path), transform=tf)
+            splits[split] = datasets.ImageFolder(str(path), transform=tf, loader=read_rgb)
         except FileNotFoundError as err:  # no class folders or no images in them
             raise DataError(f"imagefolder: {err}; expected {layout}") from err
     train, val = splits["train"], splits["val"]

@@ -279,11 +279,12 @@ def _balanced_labels(seed: int, split_id: int, size: int, num_classes: int) -> n
 
 
 class SyntheticShapes(Dataset):
-    """Procedurally generated shapes; items are `(float32 C x H x W in [0, 1], int label)`.
+    """Procedurally generated shapes; items are `(uint8 C x H x W, int label)`.
 
     Samples are rendered eagerly into one uint8 tensor (`self.images`), so indexing is a
-    cheap slice-and-scale. The same `(seed, split, index, image_size)` always gives the
-    same tensor; the train and val splits are drawn from independent random streams.
+    view (the engine converts batches to float on the device). The same
+    `(seed, split, index, image_size)` always gives the same tensor; the train and val
+    splits are drawn from independent random streams.
     """
 
     def __init__(
@@ -325,7 +326,7 @@ class SyntheticShapes(Dataset):
         return self.size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return self.images[index].float().div_(255), int(self.targets[index])
+        return self.images[index], int(self.targets[index])
 
     def __repr__(self) -> str:
         return (

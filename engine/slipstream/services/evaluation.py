@@ -23,11 +23,11 @@ class Evaluator:
         self,
         hooks: Any,
         interval: Duration | str | None = "1ep",
-        prepare: Callable[[Any], Any] | None = None,
+        prepare: Callable[[State], None] | None = None,
     ) -> None:
         self.hooks = hooks
         # The loop's explicit input step (normalisation), run after eval_batch_start.
-        self.prepare = prepare or (lambda batch: batch)
+        self.prepare = prepare or (lambda state: None)
         self.interval = Duration.parse(interval) if interval else None
         self._next: float | None = None
         self._last_eval_batch: int | None = None
@@ -80,7 +80,7 @@ class Evaluator:
             for batch in state.eval_loader:
                 state.batch = to_device(batch, state.device)
                 hooks.eval_batch_start(state=state)
-                state.batch = self.prepare(state.batch)
+                self.prepare(state)
                 state.outputs = hooks.forward(state=state)
                 logits = (
                     state.outputs[0] if isinstance(state.outputs, (tuple, list)) else state.outputs
