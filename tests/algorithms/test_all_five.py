@@ -23,6 +23,8 @@ TINY = [
 # A key under algorithms.NAME enables NAME (overrides come after --algorithms), so the
 # curriculum's settings are given only to the run that has it.
 CURRICULUM = [
+    # auto would pick fp32 on a CPU without bf16 units; the effect shown is autocast's.
+    "algorithms.mixed_precision.dtype=bf16",
     "algorithms.image_size_curriculum.initial_scale=0.5",
     "algorithms.image_size_curriculum.delay=0.25",
     "algorithms.image_size_curriculum.finetune=0.25",

@@ -37,10 +37,17 @@ def fp16(**kwargs) -> MixedPrecision:
     return MixedPrecision(MixedPrecisionConfig(dtype="fp16", **kwargs))
 
 
+def bf16() -> MixedPrecision:
+    # Explicit: "auto" picks fp32 on a CPU without bf16 units, and these tests are
+    # about what autocast does (which works, slowly, on any CPU).
+    return MixedPrecision(MixedPrecisionConfig(dtype="bf16"))
+
+
 @pytest.fixture(autouse=True)
 def _quiet_cpu_fp16_warning():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="mixed_precision: fp16 on CPU")
+        warnings.filterwarnings("ignore", message="mixed_precision: dtype bf16 on a CPU without")
         yield
 
 
@@ -63,7 +70,7 @@ def dtype_probe():
 
 def test_autocast_bf16_inside_forward_and_eval_fp32_loss(tmp_path):
     probe, seen = dtype_probe()
-    trainer = train(tmp_path, [MixedPrecision(), probe], max_duration="2ba")
+    trainer = train(tmp_path, [bf16(), probe], max_duration="2ba")
     assert seen["outputs"] == {torch.bfloat16}
     assert seen["conv"] == {torch.bfloat16}
     assert seen["loss"] == {torch.float32}  # backward gets an fp32 loss
@@ -102,9 +109,9 @@ def _tracks_fp32(losses: list[float], fp32: list[float]) -> None:
 
 def test_bf16_training_tracks_fp32(tmp_path):
     fp32 = _epoch_losses([], tmp_path / "fp32")
-    bf16 = _epoch_losses([MixedPrecision()], tmp_path / "bf16")
-    assert bf16 != fp32  # autocast did change the arithmetic
-    _tracks_fp32(bf16, fp32)
+    low = _epoch_losses([bf16()], tmp_path / "bf16")
+    assert low != fp32  # autocast did change the arithmetic
+    _tracks_fp32(low, fp32)
 
 
 def test_config_errors():
@@ -118,8 +125,13 @@ def test_config_errors():
     assert build_config(MixedPrecision, {}).dtype == "auto"
 
 
-def test_resolve_dtype_and_autocast_function():
+def test_resolve_dtype_and_autocast_function(monkeypatch):
+    import slipstream_mixed_precision as mp
+
+    monkeypatch.setattr(mp, "cpu_has_native_bf16", lambda: True)
     assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(mp, "cpu_has_native_bf16", lambda: False)
+    assert resolve_dtype("auto", "cpu") == torch.float32  # no autocast
     assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("fp16", "cpu") == torch.float16
     with pytest.raises(ValueError, match="dtype must be one of auto, bf16, fp16"):
@@ -137,13 +149,13 @@ def test_discovered_through_entry_point():
 
 
 def test_bf16_state_saved_and_restored(tmp_path):
-    first = train(tmp_path / "a", [MixedPrecision()], model=small_model(), max_duration="1ep",
+    first = train(tmp_path / "a", [bf16()], model=small_model(), max_duration="1ep",
                   eval_interval=None)
     ckpt = first.run_dir / "checkpoints" / "latest.pt"
     saved = torch.load(ckpt, weights_only=True)["plugins"]["mixed_precision"]
     assert saved["state"] == {"dtype": "bf16", "skipped_steps": 0}
-    assert saved["config"] == {"dtype": "auto"}
-    resumed = train(tmp_path / "a", [MixedPrecision()], model=small_model(), max_duration="2ep",
+    assert saved["config"] == {"dtype": "bf16"}
+    resumed = train(tmp_path / "a", [bf16()], model=small_model(), max_duration="2ep",
                     load_path=ckpt, eval_interval=None)
     assert resumed.state.timestamp.epoch == 2
     assert resumed.summary["autocast_dtype"] == "bf16"
@@ -278,3 +290,34 @@ def test_cuda_auto_dtype_and_fp16_scaler(tmp_path):
     trainer.fit()
     assert seen == {torch.float16}
     assert mp.scaler is not None and mp.scaler.get_scale() > 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_follows_the_cpus_bf16_units(tmp_path, monkeypatch, native):
+    import slipstream_mixed_precision as mp
+
+    monkeypatch.setattr(mp, "cpu_has_native_bf16", lambda: native)
+    probe, seen = dtype_probe()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = train(tmp_path, [MixedPrecision(), probe], max_duration="2ba")
+    told = [str(w.message) for w in caught if "no bf16 units" in str(w.message)]
+    if native:
+        assert seen["conv"] == seen["outputs"] == {torch.bfloat16}
+        assert trainer.summary["autocast_dtype"] == "bf16" and not told
+    else:
+        # Emulated bf16 would be many times slower than fp32: auto trains in fp32, says so.
+        assert seen["conv"] == seen["outputs"] == seen["eval"] == {torch.float32}
+        assert trainer.summary["autocast_dtype"] == "fp32"
+        assert trainer.state.autocast_dtype is None
+        assert len(told) == 1
+
+
+def test_explicit_bf16_on_a_cpu_without_bf16_units_warns(tmp_path, monkeypatch):
+    import slipstream_mixed_precision as mp
+
+    monkeypatch.setattr(mp, "cpu_has_native_bf16", lambda: False)
+    probe, seen = dtype_probe()
+    with pytest.warns(UserWarning, match="emulated"):
+        train(tmp_path, [MixedPrecision(MixedPrecisionConfig(dtype="bf16")), probe], max_duration="1ba")
+    assert seen["conv"] == {torch.bfloat16}  # the user asked for it: honoured
