@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +16,12 @@ from .errors import ConfigError
 from .models import build_model
 from .optim import build_optimizer
 from .plugins import AlgorithmInfo, discover, instantiate
+from .rundir import new_run_dir
 from .trainer import Trainer
 
 
 def default_run_dir(label: str) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    path, n = Path("runs") / f"{label}-{stamp}", 1
-    while path.exists():
-        n += 1
-        path = Path("runs") / f"{label}-{stamp}-{n}"
-    return path
+    return new_run_dir(label)
 
 
 def build_trainer(
@@ -125,6 +120,7 @@ def build_trainer(
         progress_bar=t.progress_bar,
         load_path=t.load_path,
         overwrite=t.overwrite,
+        on_nonfinite=t.on_nonfinite,
         config=resolved,
         installed=installed,
         verbose=verbose,
