@@ -154,7 +154,7 @@ def test_bf16_state_saved_and_restored(tmp_path):
     ckpt = first.run_dir / "checkpoints" / "latest.pt"
     saved = torch.load(ckpt, weights_only=True)["plugins"]["mixed_precision"]
     assert saved["state"] == {"dtype": "bf16", "skipped_steps": 0}
-    assert saved["config"] == {"dtype": "bf16"}
+    assert saved["config"] == {"dtype": "bf16", "warn_after_skips": 25}
     resumed = train(tmp_path / "a", [bf16()], model=small_model(), max_duration="2ep",
                     load_path=ckpt, eval_interval=None)
     assert resumed.state.timestamp.epoch == 2
