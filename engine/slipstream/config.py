@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 from .duration import Duration, DurationError
 from .errors import ConfigError, did_you_mean
 from .recipes import find_recipe
+from .services.divergence import check_on_nonfinite
 
 
 @dataclass
@@ -67,7 +68,8 @@ class TrainerConfig:
     checkpoint_interval: Optional[str] = "1ep"  # None: only at the end
     checkpoint_keep: int = 2  # interval checkpoints kept besides latest.pt
     load_path: Optional[str] = None  # a checkpoint to resume from
-    overwrite: bool = False  # allow a run_dir that already holds a run
+    overwrite: bool = False  # clear the run files of a run_dir that already holds a run
+    on_nonfinite: str = "stop"  # stop | warn: what a NaN or infinite training loss does
     progress_bar: bool = True
     threads: Optional[int] = None  # torch.set_num_threads; None: torch's default
     deterministic: bool = False  # torch.use_deterministic_algorithms
@@ -256,6 +258,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"data.num_workers must be 0 or more, got {cfg.data.num_workers}")
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
+    check_on_nonfinite(cfg.trainer.on_nonfinite)
     if cfg.trainer.log_interval < 1:
         raise ConfigError(
             f"trainer.log_interval must be at least 1 batch, got {cfg.trainer.log_interval}"
