@@ -135,6 +135,9 @@ class MetricsLogger:
 
     @hookimpl
     def fit_end(self, state: State) -> None:
+        # A stop asked for later in the last batch_end (a divergence found by the
+        # check before a checkpoint) left that interval unlogged.
+        self.log_train(state)
         self.close()
 
     @hookimpl
