@@ -3,6 +3,9 @@ every JSON file of the run stays strict JSON."""
 
 import json
 import math
+import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -104,3 +107,22 @@ def test_on_nonfinite_is_validated(tmp_path):
     with pytest.raises(ConfigError, match="on_nonfinite must be one of stop, warn, got 'ignore'"):
         train(tmp_path, [], max_duration="1ba", on_nonfinite="ignore")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_cli_reports_a_learning_rate_of_1e12_as_diverged(tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "slipstream", "train", "--quiet", "model.name=test_resnet",
+         "data.train_size=64", "data.val_size=32", "data.image_size=16", "data.batch_size=16",
+         "trainer.threads=1", "trainer.max_duration=3ep", "trainer.checkpoint_interval=1ba",
+         "optimizer.name=sgd", "optimizer.lr=1e12", f"trainer.run_dir={run_dir}"],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr
+    assert re.search(r"diverged: the training loss is (nan|-?inf) at step \d+", result.stderr)
+    summary = strict_loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "diverged"
+    records(run_dir)  # strict JSON, line by line
+    latest = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
+    assert finite(latest) and latest["timestamp"]["batch"] < summary["batches"]

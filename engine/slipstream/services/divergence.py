@@ -96,9 +96,9 @@ class DivergenceMonitor:
         if self.on_nonfinite == "stop":
             state.request_stop(
                 "diverged",
-                f"diverged: {message}; stopped without writing a checkpoint of its weights "
-                "(lower optimizer.lr, add grad_clipping, or set trainer.on_nonfinite=warn "
-                "to train on)",
+                f"diverged: {message}; stopped, and no checkpoint of the diverged weights was "
+                "written (lower optimizer.lr, add grad_clipping, or set "
+                "trainer.on_nonfinite=warn to train on)",
             )
         elif first:
             warnings.warn(
