@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .rundir import atomic_write
+from .rundir import LATEST, RunDir, atomic_write
 
 FORMAT = "slipstream.checkpoint"
 FORMAT_VERSION = 1
@@ -71,11 +71,8 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     """Read a checkpoint written by Slipstream, or raise CheckpointError saying why not."""
     path = Path(path)
     if path.is_dir():
-        path = (
-            path / "checkpoints" / "latest.pt"
-            if (path / "checkpoints").is_dir()
-            else path / "latest.pt"
-        )
+        run = RunDir(path)
+        path = run.latest if run.checkpoints.is_dir() else path / LATEST
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:

@@ -174,9 +174,7 @@ class Trainer:
     def _choose_run_dir(self, run_dir: str | Path | None, overwrite: bool) -> Path:
         paths = RunDir(Path(run_dir) if run_dir is not None else new_run_dir("run"))
         held = paths.holds_run()
-        resuming_here = self.load_path is not None and paths.root.resolve() in (
-            self.load_path.resolve().parents
-        )
+        resuming_here = self._resumes_in(paths)
         if resuming_here and overwrite:
             raise ConfigError(
                 f"trainer.overwrite=true would delete {self.load_path}, the checkpoint this run "
@@ -195,16 +193,19 @@ class Trainer:
             )
         return paths.root
 
+    def _resumes_in(self, paths: RunDir) -> bool:
+        """Whether this run continues the one in ``paths`` (its checkpoint is in there)."""
+        return self.load_path is not None and paths.root.resolve() in (
+            self.load_path.resolve().parents
+        )
+
     def _prepare_run_dir(self) -> None:
         """Make the run directory this run's alone, once set-up has succeeded (so a
         start that fails leaves an earlier run intact): overwrite clears the files of
         the contract, and so does a retry after a start that failed before writing
         any record or checkpoint. A resumed run keeps its files."""
         paths = self.paths
-        resuming_here = self.load_path is not None and paths.root.resolve() in (
-            self.load_path.resolve().parents
-        )
-        if not resuming_here and (self.overwrite or not paths.holds_run()):
+        if not self._resumes_in(paths) and (self.overwrite or not paths.holds_run()):
             removed = paths.clear()
             if removed and self.verbose and self.overwrite:
                 print(
