@@ -136,7 +136,7 @@ class MixedPrecision(Algorithm):
                 stacklevel=2,
             )
             return
-        state.autocast_dtype = self.dtype
+        state.compute_dtype = self.dtype
         if self.dtype == torch.bfloat16 and self.device_type == "cpu" and not cpu_has_native_bf16():
             warnings.warn(
                 "mixed_precision: dtype bf16 on a CPU without bf16 units (AVX-512 BF16 or "

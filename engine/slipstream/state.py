@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -77,8 +78,9 @@ class State:
     training: bool = True
     step_skipped: bool = False
 
-    # Precision: the autocast dtype a plugin set (None = full precision).
-    autocast_dtype: torch.dtype | None = None
+    # The dtype the big kernels compute in, set by a precision plugin (None = the
+    # parameters' own, fp32): MFU is measured against this dtype's peak.
+    compute_dtype: torch.dtype | None = None
     # The memory format the model wants its 4-D inputs in. Any plugin may set it
     # (channels_last does, at init); the engine converts the batch to it once,
     # when it normalises the inputs after batch_start.
@@ -105,6 +107,15 @@ class State:
     _clock_start: float = field(default_factory=time.perf_counter, repr=False)
     _elapsed_before: float = field(default=0.0, repr=False)
 
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The former name of :attr:`compute_dtype`, kept for plugins that use it."""
+        return self.compute_dtype
+
+    @autocast_dtype.setter
+    def autocast_dtype(self, dtype: torch.dtype | None) -> None:
+        self.compute_dtype = dtype
+
     # -- model -----------------------------------------------------------------
 
     @property
@@ -121,6 +132,16 @@ class State:
         """Refresh and return ``timestamp.elapsed_s`` (host clock: no device sync)."""
         self.timestamp.elapsed_s = self._elapsed_before + time.perf_counter() - self._clock_start
         return self.timestamp.elapsed_s
+
+    @contextmanager
+    def untimed(self) -> Iterator[None]:
+        """Leave the time spent inside out of the run's clock: the engine's own
+        bookkeeping (counting FLOPs for a new input size) is not training time."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._clock_start += time.perf_counter() - started
 
     def time_in(self, unit: str) -> float:
         """The run's current time in ``unit`` (one of ep, ba, sp, dur, s).
