@@ -28,6 +28,8 @@ def make_run(
     accuracies: tuple[float, ...] = (0.5, 0.7, 0.6),
     wall_time_s: float = 100.0,
     samples_per_s: float = 500.0,
+    eval_elapsed: tuple[float, ...] | None = None,
+    mfu: float | None = 0.4,
     extra_lines: tuple[str, ...] = (),
     summary: bool = True,
 ) -> Path:
@@ -53,17 +55,19 @@ def make_run(
                     "lr": 0.1 * step / 6,
                     "image_size": [16 if step < 4 else 32] * 2,
                     "samples_per_s": samples_per_s,
+                    "mfu": mfu,
                 }
             )
         )
-    for i, acc in enumerate(accuracies, start=1):
+    elapsed = eval_elapsed or tuple(20.0 * i for i in range(1, len(accuracies) + 1))
+    for i, (acc, at) in enumerate(zip(accuracies, elapsed, strict=True), start=1):
         lines.append(
             json.dumps(
                 {
                     "kind": "eval",
                     "step": 2 * i,
                     "epoch": i,
-                    "elapsed_s": 20.0 * i,
+                    "elapsed_s": at,
                     "loss": 1.0,
                     "accuracy": acc,
                 }
@@ -174,7 +178,7 @@ def test_plot_runs_writes_a_png(tmp_path: Path) -> None:
     assert len(data) > 10_000
 
 
-def test_figure_has_five_panels_one_line_per_run_and_a_legend(tmp_path: Path) -> None:
+def test_figure_has_six_panels_one_line_per_run_and_a_legend(tmp_path: Path) -> None:
     runs = [load_run(make_run(tmp_path, "baseline")), load_run(make_run(tmp_path, "fast"))]
     fig = build_figure(runs)
     panels = [ax for ax in fig.axes if ax.get_title()]
@@ -182,19 +186,19 @@ def test_figure_has_five_panels_one_line_per_run_and_a_legend(tmp_path: Path) ->
         "train loss",
         "eval accuracy",
         "throughput",
+        "MFU",
         "learning rate",
         "input image size",
     ]
     for ax in panels:
         assert ax.get_xlabel() == "wall-clock s"
         assert [line.get_label() for line in ax.lines] == ["baseline", "fast"]
-    legend_texts = [
-        t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()
-    ]
-    assert legend_texts == ["baseline", "fast"]
-    # Accuracy is plotted in percent, image size as the height.
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["baseline", "fast"]
+    # Accuracy and MFU are plotted in percent, image size as the height.
     assert list(panels[1].lines[0].get_ydata()) == pytest.approx([50.0, 70.0, 60.0])
-    assert set(panels[4].lines[0].get_ydata()) == {16, 32}
+    assert list(panels[3].lines[0].get_ydata()) == pytest.approx([40.0] * 6)
+    assert set(panels[5].lines[0].get_ydata()) == {16, 32}
 
 
 def test_figure_skips_missing_and_nan_values(tmp_path: Path) -> None:
@@ -204,11 +208,12 @@ def test_figure_skips_missing_and_nan_values(tmp_path: Path) -> None:
         '{"kind": "eval", "step": 8, "elapsed_s": 80.0}',
     )
     fig = build_figure([load_run(make_run(tmp_path, "r", extra_lines=extra))])
-    loss, acc, _, lr, size = (ax for ax in fig.axes if ax.get_title())
+    loss, acc, _, mfu, lr, size = (ax for ax in fig.axes if ax.get_title())
     assert len(loss.lines[0].get_xdata()) == 7  # the NaN point is dropped, step 8 kept
     assert len(lr.lines[0].get_xdata()) == 6
     assert len(acc.lines[0].get_xdata()) == 3
     assert len(size.lines[0].get_xdata()) == 6
+    assert len(mfu.lines[0].get_xdata()) == 6  # records without mfu are left out
 
 
 def test_plot_without_runs_is_an_error(tmp_path: Path) -> None:
@@ -291,3 +296,48 @@ def test_compare_with_no_accuracy_shows_dashes(tmp_path: Path) -> None:
     row = compare_runs_json([run])[0]
     assert row["final_accuracy_pct"] is None and row["best_accuracy_pct"] is None
     assert compare_runs([run]).splitlines()[-1].split()[3:5] == ["-", "-"]
+
+
+# --------------------------------------------------------------------------- time to accuracy
+
+
+def test_compare_time_to_the_first_runs_final_accuracy(tmp_path: Path) -> None:
+    # The baseline ends at 75 % (reached at 60 s); the fast run passes 75 % at its
+    # second evaluation (12 s) and ends below it, which wall time alone would hide.
+    base = make_run(tmp_path, "base", accuracies=(0.5, 0.8, 0.75), eval_elapsed=(20.0, 40.0, 60.0))
+    fast = make_run(tmp_path, "fast", accuracies=(0.6, 0.76, 0.7), eval_elapsed=(6.0, 12.0, 18.0))
+    slow = make_run(tmp_path, "never", accuracies=(0.1, 0.2), eval_elapsed=(5.0, 10.0))
+    runs = [load_run(p) for p in (base, fast, slow)]
+    rows = compare_runs_json(runs)
+    assert [r["target_accuracy_pct"] for r in rows] == pytest.approx([75.0] * 3)
+    # Reached at the first record >= 75 %: 40 s for the baseline (80 % > 75 %), not 60 s.
+    assert [r["time_to_target_s"] for r in rows[:2]] == [40.0, 12.0]
+    assert rows[1]["time_to_target_speedup"] == pytest.approx(40.0 / 12.0)
+    assert rows[2]["time_to_target_s"] is None and rows[2]["time_to_target_speedup"] is None
+
+    header, _, *lines = compare_runs(runs).splitlines()
+    assert "time to 75.00 %" in header and "speed-up to 75.00 %" in header
+    assert "12.0 s" in lines[1] and "3.33x" in lines[1]
+
+
+def test_compare_with_a_chosen_target(tmp_path: Path) -> None:
+    base = make_run(tmp_path, "base", accuracies=(0.5, 0.8, 0.75), eval_elapsed=(20.0, 40.0, 60.0))
+    fast = make_run(tmp_path, "fast", accuracies=(0.6, 0.76, 0.7), eval_elapsed=(6.0, 12.0, 18.0))
+    rows = compare_runs_json([load_run(base), load_run(fast)], target=0.6)
+    assert [r["time_to_target_s"] for r in rows] == [40.0, 6.0]
+    assert "time to 60.00 %" in compare_runs([load_run(base)], target=0.6)
+    for bad in (60, 0, -0.5, 1.5):
+        with pytest.raises(ResultsError, match=r"fraction in \(0, 1\]"):
+            compare_runs_json([load_run(base)], target=bad)
+
+
+def test_compare_shows_mfu_from_the_summary_or_the_records(tmp_path: Path) -> None:
+    with_summary = make_run(tmp_path, "a", mfu=0.25)
+    summary = json.loads((with_summary / "summary.json").read_text())
+    (with_summary / "summary.json").write_text(json.dumps({**summary, "mfu": 0.5}))
+    records_only = make_run(tmp_path, "b", mfu=0.25, summary=False)
+    unknown = make_run(tmp_path, "c", mfu=None, summary=False)
+    rows = compare_runs_json([load_run(p) for p in (with_summary, records_only, unknown)])
+    assert [r["mfu"] for r in rows] == [0.5, 0.25, None]
+    header, _, first, *_ = compare_runs([load_run(with_summary)]).splitlines()
+    assert "MFU %" in header and "50.0" in first

@@ -4,7 +4,7 @@ slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [key=value ...]
 slipstream algorithms [--json]
 slipstream recipes [--json]
 slipstream plot RUN_DIR [RUN_DIR ...] [-o runs.png]
-slipstream compare RUN_DIR [RUN_DIR ...] [--json]
+slipstream compare RUN_DIR [RUN_DIR ...] [--target 0.6] [--json]
 """
 
 from __future__ import annotations
@@ -84,6 +84,14 @@ def _parser() -> argparse.ArgumentParser:
         "compare", help="side-by-side table of runs (the first is the baseline)"
     )
     compare.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    compare.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        metavar="ACC",
+        help="accuracy (a fraction, e.g. 0.6) for the time-to-accuracy columns "
+        "(default: the first run's final accuracy)",
+    )
     compare.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
@@ -223,7 +231,10 @@ def _compare(args: argparse.Namespace) -> int:
     from .results import compare_runs, compare_runs_json, load_run
 
     runs = [load_run(Path(p)) for p in args.runs]
-    print(json.dumps(compare_runs_json(runs), indent=2) if args.json else compare_runs(runs))
+    if args.json:
+        print(json.dumps(compare_runs_json(runs, args.target), indent=2))
+    else:
+        print(compare_runs(runs, args.target))
     return 0
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ __all__ = [
     "compare_runs_json",
     "load_run",
     "plot_runs",
+    "time_to_accuracy",
 ]
 
 # The run-directory contract owns the names; these aliases keep older imports working.
@@ -180,6 +181,13 @@ _PANELS: list[tuple[str, str, str, Callable[[dict[str, Any]], float | None], boo
         False,
     ),
     ("throughput", "samples/s", "train", lambda r: _number(r.get("samples_per_s")), False),
+    (
+        "MFU",
+        "MFU (%)",
+        "train",
+        lambda r: None if (m := _number(r.get("mfu"))) is None else 100.0 * m,
+        False,
+    ),
     ("learning rate", "lr", "train", lambda r: _number(r.get("lr")), False),
     # Image size changes in jumps; steps show when a change took effect.
     ("input image size", "height (px)", "train", _image_height, True),
@@ -195,9 +203,9 @@ def build_figure(runs: Sequence[Run]) -> Figure:
     """
     if not runs:
         raise ResultsError("no runs to plot")
-    fig = Figure(figsize=(15, 8.5), layout="constrained")
+    fig = Figure(figsize=(15, 9), layout="constrained")
     FigureCanvasAgg(fig)
-    *panel_axes, legend_ax = fig.subplots(2, 3).flatten()
+    panel_axes = fig.subplots(2, 3).flatten()
     for ax, (title, ylabel, kind, getter, steps) in zip(panel_axes, _PANELS, strict=True):
         for i, run in enumerate(runs):
             xs, ys = [], []
@@ -227,12 +235,17 @@ def build_figure(runs: Sequence[Run]) -> Figure:
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
     # Learning rates like 4e-4 are unreadable as plain decimals.
-    panel_axes[3].ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
+    panel_axes[4].ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
 
-    # The sixth cell holds the legend, so it is not squeezed over any data.
-    legend_ax.axis("off")
+    # Below the panels, so it is not squeezed over any data.
     handles = [Line2D([], [], color=f"C{i % 10}", label=run.name) for i, run in enumerate(runs)]
-    legend_ax.legend(handles=handles, loc="center", title="runs", frameon=False)
+    fig.legend(
+        handles=handles,
+        loc="outside lower center",
+        ncols=min(len(runs), 4),
+        title="runs",
+        frameon=False,
+    )
     return fig
 
 
@@ -247,17 +260,49 @@ def plot_runs(runs: Sequence[Run], out_path: str | Path) -> Path:
 # --------------------------------------------------------------------------- comparing
 
 
-def compare_runs_json(runs: Sequence[Run]) -> list[dict[str, Any]]:
+def compare_runs_json(runs: Sequence[Run], target: float | None = None) -> list[dict[str, Any]]:
     """One dict per run with the comparison fields; the first run is the baseline.
 
-    Accuracies are in percent; a value that cannot be known is None.
+    Time to accuracy: ``time_to_target_s`` is the ``elapsed_s`` of a run's first eval
+    record that reaches ``target`` (a fraction; by default the first run's final
+    accuracy), so it works for any run, whether it was given a target or not.
+    Accuracies are in percent, MFU a fraction; a value that cannot be known is None.
     """
+    if target is not None:
+        valid = isinstance(target, (int, float)) and not isinstance(target, bool)
+        if not valid or not 0 < target <= 1:
+            raise ResultsError(
+                f"the target accuracy must be a fraction in (0, 1] (0.6 for 60 %), got {target!r}"
+            )
     rows = [_row(run) for run in runs]
-    baseline = rows[0]["wall_time_s"] if rows else None
-    for row in rows:
-        wall = row["wall_time_s"]
-        row["speedup"] = baseline / wall if baseline and wall else None
+    if target is None and rows and rows[0]["final_accuracy_pct"] is not None:
+        target = rows[0]["final_accuracy_pct"] / 100.0
+    for run, row in zip(runs, rows, strict=True):
+        row["target_accuracy_pct"] = None if target is None else 100.0 * target
+        row["time_to_target_s"] = None if target is None else time_to_accuracy(run, target)
+    if rows:
+        base = rows[0]
+        for row in rows:
+            row["speedup"] = _ratio(base["wall_time_s"], row["wall_time_s"])
+            row["time_to_target_speedup"] = _ratio(
+                base["time_to_target_s"], row["time_to_target_s"]
+            )
     return rows
+
+
+def time_to_accuracy(run: Run, target: float) -> float | None:
+    """``elapsed_s`` of the first eval record of ``run`` with accuracy >= ``target``
+    (a fraction); None if the run never reached it."""
+    for record in run.eval:
+        accuracy, elapsed = _number(record.get("accuracy")), _number(record.get("elapsed_s"))
+        # The tolerance absorbs the float round trip of "the first run's final accuracy".
+        if accuracy is not None and elapsed is not None and accuracy >= target - 1e-9:
+            return elapsed
+    return None
+
+
+def _ratio(base: float | None, value: float | None) -> float | None:
+    return base / value if base and value else None
 
 
 def _row(run: Run) -> dict[str, Any]:
@@ -280,8 +325,10 @@ def _row(run: Run) -> dict[str, Any]:
 
     throughput = _number(summary.get("samples_per_s"))
     if throughput is None:
-        rates = [s for r in run.train if (s := _number(r.get("samples_per_s"))) is not None]
-        throughput = sum(rates) / len(rates) if rates else None
+        throughput = _mean(_number(r.get("samples_per_s")) for r in run.train)
+    mfu = _number(summary.get("mfu"))
+    if mfu is None:
+        mfu = _mean(_number(r.get("mfu")) for r in run.train)
 
     return {
         "run": run.name,
@@ -291,9 +338,16 @@ def _row(run: Run) -> dict[str, Any]:
         "best_accuracy_pct": None if best is None else 100.0 * best,
         "wall_time_s": wall,
         "samples_per_s": throughput,
+        "mfu": mfu,
+        "peak_memory_mb": _number(summary.get("peak_memory_mb")),
         "status": summary.get("status"),
         "path": str(run.path),
     }
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 def _algorithm_names(run: Run) -> list[str]:
@@ -315,16 +369,24 @@ _COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("best acc %", "best_accuracy_pct", lambda v: f"{v:.2f}"),
     ("wall s", "wall_time_s", lambda v: f"{v:.1f}"),
     ("samples/s", "samples_per_s", lambda v: f"{v:.1f}"),
+    ("MFU %", "mfu", lambda v: f"{100 * v:.1f}"),
     ("speed-up", "speedup", lambda v: f"{v:.2f}x"),
+    # "{target}" is replaced by the target accuracy of the comparison.
+    ("time to {target}", "time_to_target_s", lambda v: f"{v:.1f} s"),
+    ("speed-up to {target}", "time_to_target_speedup", lambda v: f"{v:.2f}x"),
     ("status", "status", str),
 ]
 _LEFT_ALIGNED = {"run", "model", "algorithms", "status"}
 
 
-def compare_runs(runs: Sequence[Run]) -> str:
-    """A plain-text table of `runs`, one row each; speed-up is relative to the first."""
-    rows = compare_runs_json(runs)
-    cells = [[header for header, _, _ in _COLUMNS]]
+def compare_runs(runs: Sequence[Run], target: float | None = None) -> str:
+    """A plain-text table of `runs`, one row each; speed-ups are relative to the
+    first, on wall time and on time to ``target`` accuracy (default: the first
+    run's final accuracy)."""
+    rows = compare_runs_json(runs, target)
+    pct = rows[0]["target_accuracy_pct"] if rows else None
+    label = "-" if pct is None else f"{pct:.2f} %"
+    cells = [[header.format(target=label) for header, _, _ in _COLUMNS]]
     for row in rows:
         cells.append([("-" if row[key] is None else fmt(row[key])) for _, key, fmt in _COLUMNS])
     widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
