@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -15,3 +16,17 @@ def _deterministic_threads():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cache_outside_home(tmp_path_factory):
+    # The engine caches the device's peak FLOP/s in the user's cache directory: tests
+    # (and the CLI subprocesses they start) use a session-wide one of their own,
+    # never the real home, and probe once per session.
+    previous = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield
+    if previous is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = previous

@@ -86,6 +86,10 @@ def test_train_runs_and_writes_the_run_directory(tmp_path):
         "versions",
         "device",
         "world_size",
+        "mfu",
+        "peak_memory_mb",
+        "peak_source",
+        "time_to_target_s",
     }
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
@@ -99,6 +103,7 @@ def test_train_runs_and_writes_the_run_directory(tmp_path):
         "lr",
         "image_size",
         "samples_per_s",
+        "mfu",
     }
     assert train[0]["image_size"] == [16, 16]
     assert set(evals[0]) >= {"step", "epoch", "loss", "accuracy"}
@@ -196,4 +201,10 @@ def test_plot_and_compare(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = slipstream("compare", str(tmp_path / "a"), str(tmp_path / "b"))
     assert table.returncode == 0 and "a" in table.stdout and "b" in table.stdout
+    assert "MFU %" in table.stdout and "time to" in table.stdout
+    chosen = slipstream("compare", str(tmp_path / "a"), "--target", "0.01", "--json")
+    assert json.loads(chosen.stdout)[0]["target_accuracy_pct"] == pytest.approx(1.0)
+    assert_clean_error(
+        slipstream("compare", str(tmp_path / "a"), "--target", "60"), "fraction in (0, 1]"
+    )
     assert_clean_error(slipstream("compare", str(tmp_path)), str(tmp_path))

@@ -14,8 +14,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .duration import Duration, DurationError
 from .errors import ConfigError, did_you_mean
+from .peak_flops import parse_peak_tflops
 from .recipes import find_recipe
 from .services.divergence import check_on_nonfinite
+from .services.target import check_target
 
 
 @dataclass
@@ -73,6 +75,11 @@ class TrainerConfig:
     progress_bar: bool = True
     threads: Optional[int] = None  # torch.set_num_threads; None: torch's default
     deterministic: bool = False  # torch.use_deterministic_algorithms
+    target_accuracy: Optional[float] = None  # in (0, 1]: records time_to_target_s
+    stop_at_target: bool = False  # end the run at target_accuracy (status target_reached)
+    # The device's peak TFLOP/s for MFU: a number, or {fp32: .., bf16: .., fp16: ..};
+    # None: probed once per machine and cached.
+    peak_tflops: Optional[Any] = None
 
 
 @dataclass
@@ -259,10 +266,16 @@ def validate(cfg: DictConfig) -> None:
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
     check_on_nonfinite(cfg.trainer.on_nonfinite)
+    check_target(cfg.trainer.target_accuracy, cfg.trainer.stop_at_target)
+    parse_peak_tflops(_plain(cfg.trainer.peak_tflops))
     if cfg.trainer.log_interval < 1:
         raise ConfigError(
             f"trainer.log_interval must be at least 1 batch, got {cfg.trainer.log_interval}"
         )
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
 
 
 def to_yaml(cfg: DictConfig) -> str:

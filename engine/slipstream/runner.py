@@ -124,4 +124,7 @@ def build_trainer(
         config=resolved,
         installed=installed,
         verbose=verbose,
+        target_accuracy=t.target_accuracy,
+        stop_at_target=t.stop_at_target,
+        peak_tflops=to_dict(t)["peak_tflops"],
     )

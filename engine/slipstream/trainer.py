@@ -25,6 +25,7 @@ from .distributed import init_distributed, is_distributed, resolve_device
 from .duration import Duration
 from .errors import CheckpointError, ConfigError, PluginError
 from .interrupts import stop_on_signals
+from .peak_flops import parse_peak_tflops
 from .plugins import (
     AlgorithmInfo,
     check_hook_names,
@@ -43,9 +44,12 @@ from .services import (
     Normalize,
     ProgressBar,
     SummaryWriter,
+    TargetAccuracy,
+    Utilization,
 )
 from .services.batches import to_device
 from .services.divergence import DivergenceMonitor, check_on_nonfinite
+from .services.target import check_target
 from .state import State
 from .versions import library_versions
 
@@ -62,6 +66,11 @@ class Trainer:
     ``(inputs, targets)`` batches, usually DataLoaders; a DataLoader whose sampler
     has ``set_epoch(epoch, start_batch)`` (as Slipstream's own) gives an order that
     depends on the seed and epoch alone and resumes mid-epoch exactly.
+
+    ``target_accuracy`` (a fraction in (0, 1]) records ``time_to_target_s`` in the
+    summary; with ``stop_at_target`` the run ends there with status
+    ``target_reached``. ``peak_tflops`` (a number, or a mapping of fp32/bf16/fp16 to
+    numbers) is the device's peak for MFU; by default it is probed once per machine.
     """
 
     def __init__(
@@ -90,7 +99,12 @@ class Trainer:
         installed: dict[str, AlgorithmInfo] | None = None,
         verbose: bool = True,
         on_nonfinite: str = "stop",
+        target_accuracy: float | None = None,
+        stop_at_target: bool = False,
+        peak_tflops: float | dict[str, float] | None = None,
     ) -> None:
+        self.target_accuracy = check_target(target_accuracy, stop_at_target)
+        peak = parse_peak_tflops(peak_tflops)
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         rank, world_size = init_distributed(self.device)
         self.max_duration = Duration.parse(max_duration)
@@ -134,6 +148,12 @@ class Trainer:
         batch_size = getattr(train_data, "batch_size", None)
         self.state.global_batch_size = batch_size * world_size if batch_size else None
 
+        self.utilization = Utilization(peak, verbose=self.verbose)
+        self.target = (
+            TargetAccuracy(self.target_accuracy, stop_at_target)
+            if self.target_accuracy is not None
+            else None
+        )
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self._register(
@@ -248,8 +268,14 @@ class Trainer:
         if progress_bar and write:
             self.pm.register(ProgressBar(), name=ProgressBar.name)
         self.pm.register(
-            MetricsLogger(self.run_dir, log_interval, write=write), name=MetricsLogger.name
+            MetricsLogger(self.run_dir, log_interval, write=write, utilization=self.utilization),
+            name=MetricsLogger.name,
         )
+        # On every rank (not only the writer), so that all ranks' clocks leave out
+        # the same counting time and a target stops them all at the same batch.
+        self.pm.register(self.utilization, name=Utilization.name)
+        if self.target is not None:
+            self.pm.register(self.target, name=TargetAccuracy.name)
         # Not a hook implementation: an explicit step after batch_start, so it is
         # last whatever plugins do.
         self.normalize = Normalize(*normalize) if normalize is not None else Normalize()
@@ -474,12 +500,16 @@ class Trainer:
             ts.elapsed_s - state._elapsed_before - state.summary.get("eval_time_s", 0.0), 1e-9
         )
         session_samples = ts.samples - getattr(self, "_session_samples", 0)
+        reached = self.target.reached_s if self.target is not None else None
         return {
             "status": status,
             "accuracy": state.eval_metrics.get("accuracy"),
             "eval_loss": state.eval_metrics.get("loss"),
             "wall_time_s": round(ts.elapsed_s, 3),
             "samples_per_s": session_samples / session_s,
+            **self.utilization.summary(state, session_s),
+            "target_accuracy": self.target_accuracy,
+            "time_to_target_s": reached,
             "epochs": ts.epoch,
             "batches": ts.batch,
             "samples": ts.samples,

@@ -1,5 +1,6 @@
 """The engine's own plugins: default steps and the services that are not speed-up
-techniques (normalisation, evaluation, metrics, progress, checkpoints, summary).
+techniques (normalisation, evaluation, metrics, MFU and memory, time to target,
+progress, checkpoints, summary).
 They sit on the same hook bus as every algorithm."""
 
 from .checkpoint import Checkpointer
@@ -9,6 +10,8 @@ from .normalize import Normalize
 from .progress import ProgressBar
 from .steps import DefaultSteps
 from .summary import SummaryWriter
+from .target import TargetAccuracy
+from .utilization import Utilization
 
 __all__ = [
     "Checkpointer",
@@ -18,4 +21,6 @@ __all__ = [
     "Normalize",
     "ProgressBar",
     "SummaryWriter",
+    "TargetAccuracy",
+    "Utilization",
 ]

@@ -4,13 +4,13 @@ loop never waits for the device in between.
 
 Records are strict JSON: a NaN or infinite value is written as null and named in
 the record's ``"nonfinite"`` list. A resumed run first drops the records past the
-step it resumes from, so the log reads as one run.
+step it resumes from, so the log reads as one run. Rates (samples/s, MFU) are per
+second of training: the run's clock, with evaluation taken out.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from ..hookspecs import hookimpl
 from ..rundir import METRICS, atomic_write_text, strict_json
 from ..state import State
+from .utilization import Utilization
 
 
 def _scalar(value: Any) -> Any:
@@ -49,9 +50,17 @@ def truncate_log(path: Path, step: int) -> int:
 class MetricsLogger:
     name = "engine.metrics"
 
-    def __init__(self, run_dir: Path | None, log_interval: int = 20, write: bool = True) -> None:
+    def __init__(
+        self,
+        run_dir: Path | None,
+        log_interval: int = 20,
+        write: bool = True,
+        utilization: Utilization | None = None,
+    ) -> None:
         self.path = Path(run_dir) / METRICS if run_dir is not None and write else None
         self.log_interval = log_interval
+        self.utilization = utilization
+        self._flops_at_last: float | None = 0.0
         self._file: Any = None
         self._loss_sum: torch.Tensor | None = None
         self._batches = 0
@@ -72,7 +81,8 @@ class MetricsLogger:
                 truncate_log(self.path, state.timestamp.batch)
             self._file = self.path.open("a", buffering=1)
         self._samples_at_last = state.timestamp.samples
-        self._time_at_last = time.perf_counter()
+        self._time_at_last = state.tick()
+        self._flops_at_last = self._flops()
 
     @hookimpl
     def after_loss(self, state: State) -> None:
@@ -88,29 +98,37 @@ class MetricsLogger:
     def log_train(self, state: State) -> None:
         if self._batches == 0:
             return
-        now = time.perf_counter()
         loss = (self._loss_sum / self._batches).item()  # the one sync per interval
+        now = state.tick()  # after the sync, so the interval holds the device's work
+        seconds = max(now - self._time_at_last, 1e-9)
         samples = state.timestamp.samples - self._samples_at_last
+        flops = self._flops()
+        done = None if flops is None or self._flops_at_last is None else flops - self._flops_at_last
         inputs = state.batch[0] if state.batch is not None else None
         record = {
             "kind": "train",
             "step": state.timestamp.batch,
             "epoch": state.timestamp.epoch,
-            "elapsed_s": round(state.tick(), 4),
+            "elapsed_s": round(now, 4),
             "loss": loss,
             "lr": state.optimizer.param_groups[0]["lr"],
             "image_size": list(inputs.shape[-2:]) if isinstance(inputs, torch.Tensor) else None,
-            "samples_per_s": samples / max(now - self._time_at_last, 1e-9),
+            "samples_per_s": samples / seconds,
+            "mfu": self.utilization.mfu(state, done, seconds) if self.utilization else None,
         }
         record.update({key: _scalar(value) for key, value in state.metrics.items()})
         self._write({k: _scalar(v) for k, v in record.items()})
         self._last["train"] = record
         self._loss_sum, self._batches = None, 0
-        self._samples_at_last, self._time_at_last = state.timestamp.samples, time.perf_counter()
+        self._samples_at_last, self._time_at_last = state.timestamp.samples, state.tick()
+        self._flops_at_last = flops
+
+    def _flops(self) -> float | None:
+        return self.utilization.flops if self.utilization is not None else None
 
     @hookimpl
     def eval_start(self, state: State) -> None:
-        self._eval_started = time.perf_counter()
+        self._eval_started = state.tick()
 
     @hookimpl
     def eval_end(self, state: State) -> None:
@@ -126,7 +144,7 @@ class MetricsLogger:
         # Evaluation time is not training throughput: take it out of the interval
         # (the interval's samples are kept, so the rate stays per training second).
         if self._eval_started is not None:
-            self._time_at_last += time.perf_counter() - self._eval_started
+            self._time_at_last += state.tick() - self._eval_started
             self._eval_started = None
 
     def _write(self, record: dict[str, Any]) -> None:

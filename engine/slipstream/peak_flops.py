@@ -1,0 +1,236 @@
+"""The device's peak FLOP/s per dtype: the denominator of MFU.
+
+Measured with a short matmul probe (the best rate of a few square matmuls, sized up
+until one takes long enough to time) and cached per machine in
+``$XDG_CACHE_HOME/slipstream/peak_flops.json`` (``~/.cache`` without it), keyed by
+device, thread count and torch version, so a machine pays for the probe once.
+``trainer.peak_tflops`` skips the probe: a number for every dtype, or one per dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = [
+    "DTYPES",
+    "Peak",
+    "cache_path",
+    "dtype_name",
+    "machine_key",
+    "measure_matmul_flops",
+    "parse_peak_tflops",
+    "peak_flops",
+    "probe_dtypes",
+]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CACHE_FILE = Path("slipstream") / "peak_flops.json"
+PROBE_SECONDS = 0.25  # per dtype, after sizing up
+MIN_MATMUL_SECONDS = 0.02  # one matmul at least this long, so the clock resolves it
+MAX_SIZE = {"cpu": 2048, "cuda": 8192}
+
+
+@dataclass
+class Peak:
+    """Peak FLOP/s per dtype name and where the figures came from."""
+
+    flops: dict[str, float]
+    source: str  # probe | cache | config
+
+    def tflops(self) -> dict[str, float]:
+        return {name: round(value / 1e12, 6) for name, value in self.flops.items()}
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """``"fp32"``, ``"bf16"`` or ``"fp16"`` for a compute dtype (None: fp32)."""
+    if dtype is None:
+        return "fp32"
+    for name, candidate in DTYPES.items():
+        if dtype == candidate:
+            return name
+    return str(dtype).removeprefix("torch.")
+
+
+def probe_dtypes(device: torch.device) -> list[str]:
+    """The dtypes a run on ``device`` may compute in: fp32 and bf16 (where the
+    device has it), and fp16 on CUDA (fp16 on CPU is emulated: not a peak)."""
+    if device.type == "cuda":
+        names = ["fp32", "fp16"]
+        if torch.cuda.is_bf16_supported():
+            names.insert(1, "bf16")
+        return names
+    return ["fp32", "bf16"]
+
+
+def parse_peak_tflops(value: Any, source: str = "trainer.peak_tflops") -> dict[str, float] | None:
+    """A ``peak_tflops`` setting as FLOP/s per dtype name (``"*"`` for a single number
+    that holds for every dtype); None stays None (probe)."""
+    if value is None:
+        return None
+    allowed = ", ".join(DTYPES)
+    if isinstance(value, dict):
+        items = dict(value)
+        if not items:
+            raise ConfigError(f"{source} is empty; give a number or a value for some of {allowed}")
+    elif _positive(value):
+        items = {"*": value}
+    else:
+        raise ConfigError(
+            f"{source} must be a positive number of TFLOP/s or a mapping of {allowed} to "
+            f"positive numbers, got {value!r}"
+        )
+    parsed = {}
+    for name, tflops in items.items():
+        if name != "*" and name not in DTYPES:
+            raise ConfigError(f"{source}: unknown dtype {name!r}; allowed: {allowed}")
+        if not _positive(tflops):
+            raise ConfigError(f"{source}.{name} must be a positive number of TFLOP/s, got {tflops!r}")
+        parsed[name] = float(tflops) * 1e12
+    return parsed
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / CACHE_FILE
+
+
+def device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def machine_key(device: torch.device, threads: int | None = None) -> str:
+    """The cache key: the device (GPU name or CPU model), the threads a CPU run uses,
+    the torch version, and fp32 matmul precision on CUDA (TF32 changes the peak)."""
+    parts = [device.type, device_label(device)]
+    if device.type == "cuda":
+        parts.append(f"fp32_matmul={torch.get_float32_matmul_precision()}")
+    else:
+        parts.append(f"threads={threads or torch.get_num_threads()}")
+    parts.append(f"torch={torch.__version__}")
+    return " | ".join(parts)
+
+
+def measure_matmul_flops(
+    device: torch.device, dtype: torch.dtype, seconds: float = PROBE_SECONDS
+) -> float:
+    """The best FLOP/s of square matmuls on ``device`` in ``dtype``.
+
+    The size doubles from 256 until one matmul takes ``MIN_MATMUL_SECONDS`` (or the
+    device's cap), so a dtype the hardware only emulates costs a fraction of a second
+    instead of minutes. Inputs come from a private generator: the run's random
+    streams are untouched.
+    """
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def operands(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.randn(n, n, device=device, generator=generator).to(dtype)
+        b = torch.randn(n, n, device=device, generator=generator).to(dtype)
+        return a, b
+
+    n = 256
+    a, b = operands(n)
+    _timed_matmul(a, b, device)  # first call: kernel selection, library start-up
+    while True:
+        took = _timed_matmul(a, b, device)
+        if took >= MIN_MATMUL_SECONDS or n >= MAX_SIZE.get(device.type, 2048):
+            break
+        n *= 2
+        a, b = operands(n)
+        _timed_matmul(a, b, device)
+    best = took
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        best = min(best, _timed_matmul(a, b, device))
+    return 2 * n**3 / best
+
+
+def _timed_matmul(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    started = time.perf_counter()
+    torch.mm(a, b)
+    return time.perf_counter() - started
+
+
+def peak_flops(
+    device: torch.device,
+    configured: dict[str, float] | None = None,
+    *,
+    threads: int | None = None,
+    path: Path | None = None,
+) -> Peak:
+    """The peak FLOP/s of ``device`` per dtype: ``configured`` (from
+    :func:`parse_peak_tflops`) when given, else the cache, else a fresh probe that is
+    then cached. A cache that cannot be read or written costs only a probe."""
+    names = probe_dtypes(device)
+    if configured is not None:
+        every = configured.get("*")
+        flops = {n: every for n in names} if every is not None else {}
+        flops.update({n: v for n, v in configured.items() if n != "*"})
+        return Peak(flops, "config")
+    path = path or cache_path()
+    key = machine_key(device, threads)
+    cache = _read_cache(path)
+    cached = cache.get(key, {}).get("flops", {})
+    if all(isinstance(cached.get(n), (int, float)) and cached[n] > 0 for n in names):
+        return Peak({n: float(cached[n]) for n in names}, "cache")
+    flops = {n: measure_matmul_flops(device, DTYPES[n]) for n in names}
+    cache[key] = {
+        "flops": flops,
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    _write_cache(path, cache)
+    return Peak(flops, "probe")
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # absent or corrupt: probe again and rewrite it
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path, cache: dict[str, Any]) -> None:
+    # Atomic, so two runs starting together never leave half a file.
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:
+        warnings.warn(
+            f"slipstream: cannot cache the peak FLOP/s in {path} ({exc.strerror}); "
+            "the next run probes again (set XDG_CACHE_HOME or trainer.peak_tflops)",
+            stacklevel=2,
+        )

@@ -1,0 +1,131 @@
+"""MFU and peak memory of every run.
+
+MFU (model FLOPs utilisation) is the training FLOPs the model needs per second of
+training, over the device's peak FLOP/s in the dtype the run computes in: the bf16
+peak under bf16 autocast, fp32 otherwise (``state.compute_dtype``, which precision
+plugins set). FLOPs per sample are counted once per input size, on a meta copy of
+the model (:mod:`slipstream.flops`), so an image-size curriculum is counted at each
+size it uses; the count takes no training time (``state.untimed``) and changes
+nothing in the run. The peak comes from :mod:`slipstream.peak_flops`, probed in
+``init``, before the run's clock starts.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from ..flops import training_flops_per_sample
+from ..hookspecs import hookimpl
+from ..memory import PeakMemory
+from ..peak_flops import Peak, dtype_name, peak_flops
+from ..state import State
+
+
+class Utilization:
+    name = "engine.utilization"
+
+    def __init__(
+        self, peak_tflops: dict[str, float] | None = None, *, verbose: bool = False
+    ) -> None:
+        """``peak_tflops``: FLOP/s per dtype from :func:`slipstream.peak_flops.parse_peak_tflops`
+        (None: probe the device, or read the cache)."""
+        self.configured = peak_tflops
+        self.verbose = verbose
+        self.peak: Peak | None = None
+        self.memory: PeakMemory | None = None
+        # Training FLOPs of this session on this process; None once a count failed,
+        # since a partial count would understate MFU.
+        self.flops: float | None = 0.0
+        self.per_sample: dict[torch.Size, float] = {}
+        self.count_s = 0.0
+        self.error: str | None = None
+
+    @hookimpl
+    def init(self, state: State) -> None:
+        # Here, not in fit_start: init runs before the clock starts, and after the
+        # algorithms' own init (they are registered later, so called first), so the
+        # compute dtype is known.
+        if self.configured is None and self.verbose:
+            print("slipstream: peak FLOP/s: probing the device (cached after)", file=sys.stderr)
+        self.peak = peak_flops(state.device, self.configured, threads=torch.get_num_threads())
+        dtype = dtype_name(state.compute_dtype)
+        if self.peak.source == "config" and dtype not in self.peak.flops:
+            raise ConfigError(
+                f"trainer.peak_tflops has no value for {dtype}, the dtype this run computes in; "
+                f"give one number for every dtype or add {dtype}"
+            )
+        self.memory = PeakMemory(state.device)
+
+    @hookimpl
+    def fit_start(self, state: State) -> None:
+        assert self.memory is not None
+        self.memory.start()
+
+    @hookimpl
+    def before_forward(self, state: State) -> None:
+        # The batch is final here (resized, normalised): its size is what the model sees.
+        if self.flops is None:
+            return
+        inputs = state.batch[0]
+        try:
+            per_sample = self.per_sample[inputs.shape[1:]]
+        except (KeyError, AttributeError):
+            per_sample = self._count(state, inputs)
+            if per_sample is None:
+                return
+        self.flops += per_sample * len(inputs)
+
+    def _count(self, state: State, inputs: Any) -> float | None:
+        started = time.perf_counter()
+        with state.untimed():
+            try:
+                if not isinstance(inputs, torch.Tensor):
+                    raise TypeError(f"the inputs are a {type(inputs).__name__}, not a tensor")
+                per_sample = training_flops_per_sample(state.unwrapped_model, inputs)
+            except Exception as exc:  # any model may fail on meta tensors: MFU is then unknown
+                self._give_up(f"{type(exc).__name__}: {exc}")
+                return None
+            finally:
+                self.count_s += time.perf_counter() - started
+        self.per_sample[inputs.shape[1:]] = per_sample
+        return per_sample
+
+    def _give_up(self, reason: str) -> None:
+        self.flops = None
+        self.error = " ".join(reason.split())[:300]
+        warnings.warn(
+            f"slipstream: cannot count this model's FLOPs, so MFU is not reported: {self.error}",
+            stacklevel=2,
+        )
+
+    def mfu(self, state: State, flops: float | None, seconds: float) -> float | None:
+        """``flops`` done in ``seconds`` of training as a fraction of the peak of the
+        run's compute dtype; None when either is unknown."""
+        if flops is None or self.peak is None or seconds <= 0:
+            return None
+        peak = self.peak.flops.get(dtype_name(state.compute_dtype))
+        return flops / (seconds * peak) if peak else None
+
+    def summary(self, state: State, train_s: float) -> dict[str, Any]:
+        """The summary.json fields: MFU over ``train_s`` seconds of training (this
+        session's), the peak used and its source, FLOPs per sample per input shape
+        and the peak memory."""
+        peak_mb = self.memory.peak_mb() if self.memory is not None else None
+        return {
+            "mfu": self.mfu(state, self.flops, train_s),
+            "compute_dtype": dtype_name(state.compute_dtype),
+            "peak_tflops": self.peak.tflops() if self.peak is not None else None,
+            "peak_source": self.peak.source if self.peak is not None else None,
+            "train_flops_per_sample": {
+                "x".join(map(str, shape)): flops for shape, flops in self.per_sample.items()
+            },
+            "flop_count_s": round(self.count_s, 3),
+            "flop_count_error": self.error,
+            "peak_memory_mb": None if peak_mb is None else round(peak_mb, 1),
+        }
