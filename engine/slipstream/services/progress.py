@@ -16,12 +16,15 @@ from ..hookspecs import hookimpl
 from ..state import State
 
 
+REFRESH_S = 0.5  # seconds between redraws
+
+
 class ProgressBar:
     name = "engine.progress"
 
-    def __init__(self, file: Any = None, refresh_s: float = 0.5) -> None:
+    def __init__(self, file: Any = None, refresh_s: float | None = None) -> None:
         self.file = file
-        self.refresh_s = refresh_s
+        self.refresh_s = REFRESH_S if refresh_s is None else refresh_s
         self.bar: Any = None
         self._wall_clock = False
         self._next_refresh = 0.0
