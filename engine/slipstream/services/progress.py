@@ -15,7 +15,6 @@ from tqdm.auto import tqdm
 from ..hookspecs import hookimpl
 from ..state import State
 
-
 REFRESH_S = 0.5  # seconds between redraws
 
 
