@@ -1,0 +1,115 @@
+"""Engine overhead on the peers' tiny-MLP workload: a small MLP on random data, many
+small steps, where anything the engine adds per batch shows. Side by side in one
+process, repetitions interleaved; the hand-written loop is 1.00.
+
+    hand-written loop      for x, y in loader: loss = ...; backward; step; zero_grad
+    Trainer bare           no progress bar, no evaluation, no checkpoints
+    Trainer + progress bar the same with the tqdm bar drawing (to /dev/null)
+
+The Trainer runs as users get it otherwise: metrics at the default interval (one
+device sync each), MFU counting, the hook bus. Goal: both Trainer rows at most 1.02.
+
+    .venv/bin/python benchmarks/bench_overhead.py [--threads 1] [--steps 3000] [--repeats 5]
+    .venv/bin/python benchmarks/bench_overhead.py --quick
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from common import StepClock, parser, per_step
+from slipstream import Trainer
+
+FEATURES, HIDDEN, CLASSES, BATCH = 32, 128, 10, 64
+
+
+def loader(steps: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * BATCH, FEATURES, generator=g)
+    y = torch.randint(0, CLASSES, (steps * BATCH,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False, drop_last=True)
+
+
+def mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES)
+    )
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def hand_written(data: DataLoader, warmup: int) -> float:
+    model, optimizer = mlp()
+    loss_fn = nn.CrossEntropyLoss()
+    times = []
+    for x, y in data:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter())
+    return per_step(times, warmup)
+
+
+def with_trainer(data: DataLoader, warmup: int, progress_bar: bool) -> float:
+    model, optimizer = mlp()
+    clock = StepClock()
+    with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as sink:
+        trainer = Trainer(
+            model=model,
+            optimizer=optimizer,
+            train_data=data,
+            max_duration="1ep",
+            algorithms=[clock],
+            run_dir=Path(tmp) / "run",
+            device="cpu",
+            eval_interval=None,
+            checkpoint_interval=None,
+            progress_bar=progress_bar,
+            verbose=False,
+        )
+        trainer.checkpointer.write = False  # the end-of-run checkpoint is outside the steps anyway
+        if progress_bar:
+            trainer.pm.get_plugin("engine.progress").file = sink
+        trainer.fit()
+    return per_step(clock.times, warmup)
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.set_defaults(threads=1, steps=3000, warmup=100, repeats=5)
+    args = p.parse_args()
+    if args.quick:
+        args.steps, args.warmup, args.repeats = 400, 50, 2
+    torch.set_num_threads(args.threads)
+    data = loader(args.warmup + args.steps)
+    variants = {
+        "hand-written loop": lambda: hand_written(data, args.warmup),
+        "Trainer bare": lambda: with_trainer(data, args.warmup, progress_bar=False),
+        "Trainer + progress bar": lambda: with_trainer(data, args.warmup, progress_bar=True),
+    }
+    step_s: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name, run in variants.items():
+            step_s[name].append(run())
+    base = statistics.median(step_s["hand-written loop"])
+    print(
+        f"tiny MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, batch {BATCH}, {args.steps} timed steps, "
+        f"{args.repeats} interleaved repetitions, {args.threads} thread(s); median per variant"
+    )
+    print(f"{'variant':<24} {'us/step':>9} {'ratio':>7}")
+    for name, times in step_s.items():
+        median = statistics.median(times)
+        print(f"{name:<24} {1e6 * median:>9.1f} {median / base:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()
