@@ -1,7 +1,12 @@
 """Whole recipes side by side in one process (the first is the baseline): final
-accuracy, wall time and the wall-time speed-up, e.g. resnet18_baseline vs resnet18_fast.
+accuracy, wall time, MFU, and the time-to-accuracy speed-up, the claim that counts:
+how much sooner each run reaches the baseline's final accuracy (or --target).
 
-    .venv/bin/python benchmarks/bench_recipes.py resnet18_baseline resnet18_fast [--threads 2] [key=value ...]
+    .venv/bin/python benchmarks/bench_recipes.py resnet18_baseline resnet18_fast [--threads 2] [-o key=value ...]
+    .venv/bin/python benchmarks/bench_recipes.py resnet18_baseline resnet18_fast --quick   # a smoke run
+
+Time to accuracy is read from each run's eval records (``elapsed_s``), as
+``slipstream compare`` does; run the recipes one after another on a quiet machine.
 """
 
 from __future__ import annotations
@@ -13,26 +18,53 @@ from pathlib import Path
 import torch
 
 from slipstream.config import build_config
-from slipstream.results import compare_runs, load_run
+from slipstream.results import compare_runs, compare_runs_json, load_run
 from slipstream.runner import build_trainer
+
+# A smoke run: every recipe for a couple of epochs on a tenth of the data.
+QUICK = ["trainer.max_duration=2ep", "data.train_size=512", "data.val_size=256"]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipes", nargs="+")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="keep the run directories here")
     p.add_argument("--override", "-o", action="append", default=[], help="key=value applied to every recipe")
+    p.add_argument(
+        "--target", type=float, default=None, help="accuracy to time (default: the baseline's final accuracy)"
+    )
+    p.add_argument("--quick", action="store_true", help="a smoke run: " + " ".join(QUICK))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_recipes_"))
     runs = []
-    for name in args.recipes:
-        overrides = [*args.override, f"trainer.run_dir={out / name}", "trainer.progress_bar=false"]
+    for i, name in enumerate(args.recipes):
+        # The same recipe twice (a noise check) gets two run directories.
+        label = name if args.recipes.index(name) == i else f"{name}-{i + 1}"
+        overrides = [
+            *(QUICK if args.quick else []),
+            *args.override,
+            f"trainer.threads={args.threads}",
+            f"trainer.run_dir={out / label}",
+            "trainer.progress_bar=false",
+        ]
         trainer = build_trainer(build_config(name, None, overrides), label=name, verbose=False)
         trainer.fit()
-        runs.append(load_run(out / name))
-        print(compare_runs(runs), flush=True)
+        runs.append(load_run(out / label))
+        print(compare_runs(runs, args.target), flush=True)
+    rows = compare_runs_json(runs, args.target)
+    target = rows[0]["target_accuracy_pct"]
+    print(f"\ntime to {'-' if target is None else f'{target:.2f} %'} (the claim), one process, {args.threads} threads:")
+    for row in rows:
+        speedup, mfu = row["time_to_target_speedup"], row["mfu"]
+        reached = "never reached" if row["time_to_target_s"] is None else f"{row['time_to_target_s']:.1f} s"
+        print(
+            f"  {row['run']:<24} {reached:>14}  "
+            f"speed-up {'-' if speedup is None else f'{speedup:.2f}x':>6}  "
+            f"MFU {'-' if mfu is None else f'{100 * mfu:.1f} %':>7}  "
+            f"peak memory {row['peak_memory_mb'] or 0:.0f} MiB"
+        )
     print(f"runs kept in {out}")
 
 

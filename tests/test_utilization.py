@@ -197,6 +197,19 @@ def test_the_probe_is_cached_per_machine_and_reused(tmp_path: Path, counted_prob
     assert json.loads(path.read_text())[key]["flops"]["fp32"] == 1e11
 
 
+def test_no_dtype_peaks_below_fp32(tmp_path: Path, monkeypatch) -> None:
+    # A CPU without native bf16 probes bf16 matmuls slowly, yet its bf16 convolutions
+    # run at the fp32 rate: a slow probe is no peak (MFU would pass 1).
+    rates = {torch.float32: 5e10, torch.bfloat16: 5e8}
+    monkeypatch.setattr(pf, "measure_matmul_flops", lambda device, dtype, seconds=0: rates[dtype])
+    path = tmp_path / "peak.json"
+    for source in ("probe", "cache"):
+        peak = pf.peak_flops(torch.device("cpu"), threads=1, path=path)
+        assert peak.source == source and peak.flops == {"fp32": 5e10, "bf16": 5e10}
+    (entry,) = json.loads(path.read_text()).values()
+    assert entry["flops"]["bf16"] == 5e8  # the cache keeps what was measured
+
+
 def test_a_run_writes_the_cache_in_xdg_cache_home(tmp_path, monkeypatch, counted_probe) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     first = train(tmp_path / "a", model=conv_net()).summary

@@ -203,14 +203,23 @@ def peak_flops(
     cache = _read_cache(path)
     cached = cache.get(key, {}).get("flops", {})
     if all(isinstance(cached.get(n), (int, float)) and cached[n] > 0 for n in names):
-        return Peak({n: float(cached[n]) for n in names}, "cache")
+        return Peak(_at_least_fp32({n: float(cached[n]) for n in names}), "cache")
     flops = {n: measure_matmul_flops(device, DTYPES[n]) for n in names}
     cache[key] = {
-        "flops": flops,
+        "flops": flops,  # as measured
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     _write_cache(path, cache)
-    return Peak(flops, "probe")
+    return Peak(_at_least_fp32(flops), "probe")
+
+
+def _at_least_fp32(flops: dict[str, float]) -> dict[str, float]:
+    """No dtype's peak below fp32's. A device without native bf16 (a CPU without
+    AVX-512 BF16 or AMX) runs bf16 matmuls on a slow path, but its convolution
+    kernels compute bf16 in fp32 at the fp32 rate: the slow probe is not the peak,
+    and MFU against it would exceed 1."""
+    floor = flops.get("fp32", 0.0)
+    return {name: max(value, floor) for name, value in flops.items()}
 
 
 def _read_cache(path: Path) -> dict[str, Any]:
