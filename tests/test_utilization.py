@@ -62,6 +62,24 @@ def test_counting_touches_nothing_of_the_model() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+class Upsample2x:
+    """A hook object that is part of the computation: the model sees twice the size."""
+
+    def __call__(self, module, args):
+        return (F.interpolate(args[0], scale_factor=2.0),)
+
+
+def test_hook_objects_are_counted_and_hook_functions_left_alone() -> None:
+    model = conv_net()
+    calls: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda m, i, out: calls.append(out.dtype))  # a monitor
+    model[0].register_forward_pre_hook(Upsample2x())
+    assert training_flops_per_sample(model, torch.rand(2, 3, 8, 8)) == analytic_train_flops(16, 16)
+    assert calls == []  # the monitor never saw the counting pass
+    model(torch.rand(2, 3, 8, 8))
+    assert calls == [torch.float32]  # and still sees the real one
+
+
 class HalfSizeFirstEpoch(Probe):
     """Feeds 8 px images in the first epoch, 16 px after (a curriculum's effect)."""
 

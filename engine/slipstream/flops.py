@@ -17,6 +17,9 @@ they were.
 from __future__ import annotations
 
 import copy
+import functools
+import types
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,14 +34,42 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
     The tensors are put into deepcopy's memo first, so no real storage is copied
     (a copy of a large model costs no memory), and shared weights stay shared.
+
+    Module hooks that are objects (a weight-norm or a token-grid hook) are part of
+    the model and are copied with it. Hooks that are functions or bound methods are
+    left off the copy: they reach state outside the model (a monitor's records, a
+    plugin), which a counting pass must not touch or copy.
     """
-    memo: dict[int, torch.Tensor] = {}
+    memo: dict[int, Any] = {}
     for tensor in (*model.parameters(), *model.buffers()):
         meta = torch.empty_like(tensor, device="meta")
         if isinstance(tensor, nn.Parameter):
             meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = meta
-    return copy.deepcopy(model, memo)
+    outside: set[int] = set()  # hook handle ids, unique across modules
+    for module in model.modules():
+        for attr in _HOOKS:
+            for handle_id, hook in getattr(module, attr, {}).items():
+                if isinstance(hook, (types.FunctionType, types.MethodType, functools.partial)):
+                    memo[id(hook)] = hook  # not deep-copied: no copy of its owner
+                    outside.add(handle_id)
+    copied = copy.deepcopy(model, memo)
+    if outside:
+        for module in copied.modules():
+            for attr in (*_HOOKS, *_HOOK_FLAGS):
+                hooks = getattr(module, attr, None)
+                for handle_id in outside & set(hooks or ()):
+                    del hooks[handle_id]
+    return copied
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+# Per-hook options, keyed by the same handle ids.
+_HOOK_FLAGS = (
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
 
 
 def training_flops_per_sample(model: nn.Module, inputs: torch.Tensor) -> float:
