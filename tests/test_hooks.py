@@ -185,10 +185,11 @@ def test_train_throughput_leaves_evaluation_time_out(tmp_path, monkeypatch):
     # holds an evaluation (4 batches per epoch: evaluations fall inside intervals).
     from types import SimpleNamespace
 
-    from slipstream.services import metrics
+    from slipstream import state as state_module
 
+    # Rates are per second of the run's clock (State.tick), which reads this.
     now = [0.0]
-    monkeypatch.setattr(metrics, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(state_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
 
     def advance(seconds: float):
         def hook(state):
