@@ -27,6 +27,7 @@ from .checkpoint import load_checkpoint, rng_state, set_rng_state
 from .distributed import init_distributed, is_distributed, resolve_device
 from .duration import Duration
 from .errors import CheckpointError, ConfigError, PluginError
+from .options import AUTO, NormalizeOption, TrainerOptions, apply_process_settings, resolve_normalize
 from .plugins import (
     AlgorithmInfo,
     check_hook_names,
@@ -46,7 +47,7 @@ from .services import (
     SummaryWriter,
 )
 from .services.batches import to_device
-from .state import State
+from .state import State, unwrap_model
 from .versions import library_versions
 
 
@@ -82,27 +83,48 @@ class Trainer:
         log_interval: int = 20,
         checkpoint_interval: str | Duration | None = "1ep",
         checkpoint_keep: int = 2,
-        normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+        normalize: NormalizeOption = AUTO,
         progress_bar: bool = True,
         load_path: str | Path | None = None,
         overwrite: bool = False,
         config: dict[str, Any] | None = None,
         installed: dict[str, AlgorithmInfo] | None = None,
         verbose: bool = True,
+        threads: int | None = None,
+        deterministic: bool = False,
     ) -> None:
+        # One set-up for the Python API and the CLI (which passes the same options,
+        # built from its config): validate, then threads, determinism and seeds.
+        self.options = TrainerOptions(
+            max_duration=max_duration,
+            run_dir=run_dir,
+            seed=seed,
+            device=device,
+            eval_interval=eval_interval,
+            log_interval=log_interval,
+            checkpoint_interval=checkpoint_interval,
+            checkpoint_keep=checkpoint_keep,
+            normalize=normalize,
+            progress_bar=progress_bar,
+            load_path=load_path,
+            overwrite=overwrite,
+            threads=threads,
+            deterministic=deterministic,
+            verbose=verbose,
+        ).validate()
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
+        apply_process_settings(self.options, self.device)
         rank, world_size = init_distributed(self.device)
         self.max_duration = Duration.parse(max_duration)
-        if self.max_duration.unit == "dur":
-            raise ConfigError(
-                "max_duration cannot be in 'dur'; use ep, ba, sp or a wall-clock time"
-            )
         self.installed = installed
         chosen = self._as_algorithms(algorithms)
         self.algorithms = resolve_order(chosen, installed=self._known_names(chosen))
         self._distributions = {a.name: distribution_of(a, self.installed) for a in self.algorithms}
-        self.config = config or {}
         self.verbose = verbose and rank == 0
+        normalize, note = resolve_normalize(normalize, train_data)
+        if note and self.verbose:
+            print(f"slipstream: {note}", file=sys.stderr)
+        self.config = config or self._describe_run(model, optimizer)
         self.load_path = Path(load_path) if load_path else None
         self.run_dir = self._choose_run_dir(run_dir, overwrite)
         self.summary: dict[str, Any] = {}
@@ -140,6 +162,17 @@ class Trainer:
         self._hooks = SimpleNamespace()
 
     # -- set-up ------------------------------------------------------------------
+
+    def _describe_run(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """config.yaml for a run set up in Python: what the CLI's config would say,
+        so that a checkpoint can tell what wrote it."""
+        group = optimizer.param_groups[0] if optimizer.param_groups else {}
+        return {
+            "model": {"name": type(unwrap_model(model)).__name__},
+            "optimizer": {"name": type(optimizer).__name__, "lr": float(group.get("lr", 0.0))},
+            "trainer": self.options.as_config(),
+            "algorithms": {a.name: config_as_dict(a) for a in self.algorithms},
+        }
 
     def _as_algorithms(self, items: Sequence[Algorithm | str]) -> list[Algorithm]:
         built: list[Algorithm] = []
@@ -263,10 +296,7 @@ class Trainer:
         state, pm = self.state, self.pm
         if state.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            if self.config:
-                (self.run_dir / "config.yaml").write_text(
-                    yaml.safe_dump(self.config, sort_keys=False)
-                )
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config, sort_keys=False))
         if self.verbose:
             order = " -> ".join(a.name for a in self.algorithms) or "none"
             print(f"slipstream: algorithms in order: {order}", file=sys.stderr)
@@ -415,12 +445,22 @@ class Trainer:
             state.unwrapped_model.load_state_dict(payload["model"])
         except RuntimeError as exc:
             detail = " ".join(str(exc).split())[:400]
-            raise CheckpointError(f"checkpoint {path} does not fit this model: {detail}") from None
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model: {detail}. {self._written_by(payload)}"
+            ) from None
+        # torch takes any optimizer's hyperparameters over this one's without a
+        # word, and fails at the first step; different group keys give it away.
+        saved_groups = payload["optimizer"].get("param_groups") or [{}]
+        saved_keys = set(saved_groups[0]) - {"params"}
+        own_keys = set(state.optimizer.param_groups[0]) - {"params"}
         try:
+            if saved_keys != own_keys:
+                raise ValueError(f"its groups hold {sorted(saved_keys)}, this one {sorted(own_keys)}")
             state.optimizer.load_state_dict(payload["optimizer"])
         except (ValueError, KeyError) as exc:
             raise CheckpointError(
-                f"checkpoint {path}: optimizer state does not fit: {exc}"
+                f"checkpoint {path}: optimizer state does not fit {type(state.optimizer).__name__} "
+                f"({exc}). {self._written_by(payload)}"
             ) from None
         for scheduler, saved in zip(state.schedulers, payload.get("schedulers", []), strict=False):
             scheduler.load_state_dict(saved)
@@ -442,6 +482,17 @@ class Trainer:
                 f"slipstream: resumed from {path} at epoch {ts.epoch}, batch {ts.batch}",
                 file=sys.stderr,
             )
+
+    def _written_by(self, payload: dict[str, Any]) -> str:
+        saved = payload.get("config") or {}
+        model = (saved.get("model") or {}).get("name", "unknown")
+        optimizer = (saved.get("optimizer") or {}).get("name", "unknown")
+        return (
+            f"It was written by a run of model {model!r} with optimizer {optimizer!r}; "
+            f"this run has {type(self.state.unwrapped_model).__name__} and "
+            f"{type(self.state.optimizer).__name__}. Resume with the same model and optimizer, "
+            "or start afresh without load_path"
+        )
 
     def _build_summary(self, state: State, status: str) -> dict[str, Any]:
         ts = state.timestamp
