@@ -63,6 +63,12 @@ class Trainer:
     ``(inputs, targets)`` batches, usually DataLoaders; a DataLoader whose sampler
     has ``set_epoch(epoch, start_batch)`` (as Slipstream's own) gives an order that
     depends on the seed and epoch alone and resumes mid-epoch exactly.
+
+    The run-level keywords are :class:`~slipstream.options.TrainerOptions` (kept
+    as ``self.options``): validated, then applied as the CLI applies them
+    (threads, determinism, seeds), with ``normalize="auto"`` and a ``config.yaml``
+    in the run directory. ``eval_interval=None`` means no evaluation and
+    ``checkpoint_interval=None`` no checkpoints.
     """
 
     def __init__(
