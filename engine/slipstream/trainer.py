@@ -435,6 +435,7 @@ class Trainer:
         return {
             "model": state.unwrapped_model.state_dict(),
             "optimizer": state.optimizer.state_dict(),
+            "optimizer_class": type(state.optimizer).__name__,
             "schedulers": [s.state_dict() for s in state.schedulers],
             "plugins": plugins,
             "timestamp": state.timestamp.state_dict(),
@@ -454,14 +455,12 @@ class Trainer:
             raise CheckpointError(
                 f"checkpoint {path} does not fit this model: {detail}. {self._written_by(payload)}"
             ) from None
-        # torch takes any optimizer's hyperparameters over this one's without a
-        # word, and fails at the first step; different group keys give it away.
-        saved_groups = payload["optimizer"].get("param_groups") or [{}]
-        saved_keys = set(saved_groups[0]) - {"params"}
-        own_keys = set(state.optimizer.param_groups[0]) - {"params"}
+        # torch loads another optimizer's state without a word and fails at the
+        # first step, so the class is compared first (older checkpoints lack it).
+        saved_class = payload.get("optimizer_class")
         try:
-            if saved_keys != own_keys:
-                raise ValueError(f"its groups hold {sorted(saved_keys)}, this one {sorted(own_keys)}")
+            if saved_class not in (None, type(state.optimizer).__name__):
+                raise ValueError(f"it holds the state of {saved_class}")
             state.optimizer.load_state_dict(payload["optimizer"])
         except (ValueError, KeyError) as exc:
             raise CheckpointError(
