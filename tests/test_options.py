@@ -13,7 +13,7 @@ import yaml
 from torch.utils.data import DataLoader
 
 from helpers import Probe, tiny_loaders, tiny_model, train
-from slipstream import ConfigError, Trainer
+from slipstream import ConfigError, Trainer, to_unit_float
 from slipstream.config import build_config
 from slipstream.data import DATASET_STATS, SyntheticShapes
 from slipstream.options import TrainerOptions
@@ -86,7 +86,7 @@ def test_normalize_auto_uses_the_dataset_statistics(tmp_path, capsys):
         return seen[0]
 
     shapes = DataLoader(SyntheticShapes(32, image_size=16), batch_size=16)
-    raw = next(iter(shapes))[0]
+    raw = to_unit_float(next(iter(shapes))[0])  # the dataset's uint8 as float in [0, 1]
     mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in DATASET_STATS["synthetic"])
     torch.testing.assert_close(first_inputs(shapes), (raw - mean) / std)
     torch.testing.assert_close(first_inputs(shapes, normalize=None), raw)
