@@ -161,9 +161,15 @@ def _fail(message: str) -> int:
 
 
 def _show_warning(default: Any) -> Any:
-    def show(message: Any, category: type, *args: Any, **kwargs: Any) -> None:
-        if not issubclass(category, ConfigWarning):
-            default(message, category, *args, **kwargs)
+    """Slipstream's own warnings as one line each (rank 0 only); others as Python shows them."""
+    package = str(Path(__file__).parent)
+
+    def show(message: Any, category: type, filename: str, *args: Any, **kwargs: Any) -> None:
+        ours = issubclass(category, ConfigWarning) or (
+            category is UserWarning and str(filename).startswith(package)
+        )
+        if not ours:
+            default(message, category, filename, *args, **kwargs)
         elif _rank() == 0:
             print(f"slipstream: warning: {message}", file=sys.stderr)
 
