@@ -93,7 +93,7 @@ def network_failure(exc: BaseException) -> BaseException | None:
 # errno -> what it means for a path we write, in a user's words.
 _OS_CAUSES = {
     errno.ENOTDIR: "a part of the path is a file, not a directory",
-    errno.EEXIST: "a file of that name already exists",
+    errno.EEXIST: "it already exists as a file, where a directory or a new file is needed",
     errno.EISDIR: "it is a directory, not a file",
     errno.EACCES: "permission denied",
     errno.EPERM: "operation not permitted",
