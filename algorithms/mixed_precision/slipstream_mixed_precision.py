@@ -30,10 +30,17 @@ class MixedPrecisionConfig:
     # where it has bf16 units (AVX-512 BF16 / AMX), full precision (no autocast) where
     # it has none, because emulated bf16 is far slower than fp32 there.
     dtype: str = "auto"
+    # fp16: warn (and say so in summary.json) when the GradScaler skips this many
+    # optimizer steps in a row. A healthy run skips a few at the start while the
+    # scale comes down from 2**16; this many in a row means it is not training.
+    warn_after_skips: int = 25
 
     def __post_init__(self) -> None:
         if self.dtype not in CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(CHOICES)}, got {self.dtype!r}")
+        n = self.warn_after_skips
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"warn_after_skips must be a whole number of steps, at least 1, got {n!r}")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -98,6 +105,9 @@ class MixedPrecision(Algorithm):
         self.device_type = "cpu"
         self.scaler: torch.amp.GradScaler | None = None
         self.skipped_steps = 0
+        self.skip_streak = 0  # optimizer steps skipped in a row, up to now
+        self.longest_skip_streak = 0
+        self._warned = False
         self._stepped = False
         self._watched: torch.optim.Optimizer | None = None
         self._watch_handle: Any = None
@@ -201,8 +211,26 @@ class MixedPrecision(Algorithm):
             skipped = not self._stepped
         if skipped:
             self.skipped_steps += 1
+            self.skip_streak += 1
+            self.longest_skip_streak = max(self.longest_skip_streak, self.skip_streak)
+            if self.skip_streak >= self.config.warn_after_skips and not self._warned:
+                self._warn_streak(state)
+        else:
+            self.skip_streak = 0
         state.metrics["skipped_steps"] = self.skipped_steps
         return not skipped
+
+    def _warn_streak(self, state: State) -> None:
+        self._warned = True
+        last = state.timestamp.optimizer_steps + 1
+        message = (
+            f"mixed_precision: the fp16 GradScaler skipped {self.skip_streak} optimizer steps "
+            f"in a row (steps {last - self.skip_streak + 1}-{last}, loss scale now "
+            f"{self.scaler.get_scale():g}): the gradients overflow at every scale, so the "
+            "weights are not being updated; use dtype bf16, a lower optimizer.lr or grad_clipping"
+        )
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        state.summary.setdefault("warnings", []).append(message)
 
     def _watch(self, optimizer: torch.optim.Optimizer) -> None:
         if self._watched is optimizer:
@@ -233,6 +261,7 @@ class MixedPrecision(Algorithm):
             self._watch_handle = self._watched = None
         if self.scaler is not None:
             state.summary["skipped_steps"] = self.skipped_steps
+            state.summary["longest_skip_streak"] = self.longest_skip_streak
 
     # -- persistence ---------------------------------------------------------------------
 
@@ -243,10 +272,14 @@ class MixedPrecision(Algorithm):
         }
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()  # floats and ints only
+            out["skip_streak"] = self.skip_streak
+            out["longest_skip_streak"] = self.longest_skip_streak
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.skip_streak = int(state.get("skip_streak", 0))
+        self.longest_skip_streak = int(state.get("longest_skip_streak", 0))
         saved = state.get("scaler")
         # Called after init (the hook contract), so an fp16 run has its scaler; a
         # bf16 run resumed from an fp16 checkpoint has none to restore.

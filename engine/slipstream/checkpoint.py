@@ -9,15 +9,15 @@ the seed-and-epoch data order, that is what a bit-exact resume needs.
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import CheckpointError
+from .rundir import LATEST, RunDir, atomic_write
 
 FORMAT = "slipstream.checkpoint"
 FORMAT_VERSION = 1
@@ -46,32 +46,33 @@ def _to_tuples(value: Any) -> Any:
 
 
 def save_checkpoint(payload: dict[str, Any], path: str | Path) -> Path:
-    """Write ``payload`` to ``path`` atomically: a crash mid-write leaves the
-    previous file intact, never a truncated one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **payload}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write ``payload`` to ``path`` atomically and durably: a crash mid-write
+    leaves the previous file intact, never a truncated one."""
+    tagged = {"format": FORMAT, "format_version": FORMAT_VERSION, **payload}
+    return atomic_write(path, lambda f: torch.save(tagged, f))
+
+
+def nonfinite_tensors(tensors: Mapping[str, Any]) -> list[str]:
+    """Names of the floating-point tensors in ``tensors`` (a state_dict) that hold
+    a NaN or an infinity. One device sync in all, so call it per checkpoint, not
+    per step."""
+    names = [
+        name
+        for name, t in tensors.items()
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+    ]
+    if not names:
+        return []
+    finite = torch.stack([tensors[n].isfinite().all() for n in names]).cpu()
+    return [n for n, ok in zip(names, finite.tolist(), strict=True) if not ok]
 
 
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
     """Read a checkpoint written by Slipstream, or raise CheckpointError saying why not."""
     path = Path(path)
     if path.is_dir():
-        path = (
-            path / "checkpoints" / "latest.pt"
-            if (path / "checkpoints").is_dir()
-            else path / "latest.pt"
-        )
+        run = RunDir(path)
+        path = run.latest if run.checkpoints.is_dir() else path / LATEST
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:

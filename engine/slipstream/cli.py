@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -27,6 +28,8 @@ from .errors import (
 )
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1
+EXIT_DIVERGED = 3
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,9 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = _show_warning(warnings.showwarning)
         try:
             return _COMMANDS[args.command](args)
-        except KeyboardInterrupt:
-            print("slipstream: interrupted", file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as exc:
+            print(f"slipstream: {exc or 'interrupted'}", file=sys.stderr)
+            return 128 + getattr(exc, "signum", signal.SIGINT)
         except Exception as exc:
             message = user_error_message(exc)
             if message is None:
@@ -187,8 +190,26 @@ def _train(args: argparse.Namespace) -> int:
         cfg.trainer.progress_bar = False
     trainer = build_trainer(cfg, label=Path(recipe).stem, verbose=not args.quiet)
     summary = trainer.fit()
-    if not args.quiet and trainer.state.rank == 0:
-        print(format_summary(summary))
+    if trainer.state.rank == 0:
+        if not args.quiet:
+            print(format_summary(summary))
+        elif summary.get("stop_reason"):  # the trainer said it already when not quiet
+            print(f"slipstream: {summary['stop_reason']}", file=sys.stderr)
+    return exit_code(summary)
+
+
+def exit_code(summary: dict[str, Any]) -> int:
+    """The process exit code for a run's summary: 0 for a run that ended as asked
+    (completed, target_reached, stopped_early), 128 + the signal for an interrupted
+    one (130 for SIGINT, 143 for SIGTERM), 3 for diverged, 1 for failed."""
+    status = summary.get("status")
+    if status == "interrupted":
+        name = summary.get("interrupted_by", "SIGINT")
+        return 128 + getattr(signal.Signals, name, signal.SIGINT)
+    if status == "diverged":
+        return EXIT_DIVERGED
+    if status == "failed":
+        return EXIT_FAILED
     return 0
 
 

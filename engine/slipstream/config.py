@@ -70,7 +70,8 @@ class TrainerConfig:
     checkpoint_interval: Optional[str] = "1ep"  # None: no checkpoints at all
     checkpoint_keep: int = 2  # interval checkpoints kept besides latest.pt
     load_path: Optional[str] = None  # a checkpoint to resume from
-    overwrite: bool = False  # allow a run_dir that already holds a run
+    overwrite: bool = False  # clear the run files of a run_dir that already holds a run
+    on_nonfinite: str = "stop"  # stop | warn: what a NaN or infinite training loss does
     progress_bar: bool = True
     threads: Optional[int] = None  # torch.set_num_threads; None: torch's default
     deterministic: bool = False  # torch.use_deterministic_algorithms

@@ -55,6 +55,7 @@ order given) last. So at every event, plain implementations run as:
     -> engine.evaluation (evaluates at batch_end/epoch_end when an interval is due)
     -> engine.metrics (writes the train/eval record to metrics.jsonl)
     -> engine.progress (the progress bar, rank 0 only)
+    -> engine.divergence (reads the interval's losses at batch_end when a record is due)
     -> engine.checkpoint (saves at batch_end/epoch_end when due, and at fit_end)
     -> engine.summary (writes summary.json at fit_end and on exception)
 

@@ -58,6 +58,7 @@ class TrainerOptions:
     threads: int | None = None
     deterministic: bool = False
     verbose: bool = True
+    on_nonfinite: str = "stop"  # stop | warn: what a NaN or infinite training loss does
 
     @classmethod
     def from_config(cls, trainer: Mapping[str, Any], **extra: Any) -> TrainerOptions:
@@ -87,6 +88,10 @@ class TrainerOptions:
             _integer(self.threads, f"{prefix}threads", 1, "null for torch's default")
         check_device(self.device, f"{prefix}device")
         _check_normalize(self.normalize, f"{prefix}normalize")
+        if self.on_nonfinite not in ("stop", "warn"):
+            raise ConfigError(
+                f"{prefix}on_nonfinite must be 'stop' or 'warn', got {self.on_nonfinite!r}"
+            )
         if self.run_dir is not None:
             check_output_dir(Path(self.run_dir), f"{prefix}run_dir")
         return self

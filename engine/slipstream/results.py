@@ -17,6 +17,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from . import rundir
+
 __all__ = [
     "ResultsError",
     "Run",
@@ -27,9 +29,10 @@ __all__ = [
     "plot_runs",
 ]
 
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
-CONFIG_FILE = "config.yaml"
+# The run-directory contract owns the names; these aliases keep older imports working.
+METRICS_FILE = rundir.METRICS
+SUMMARY_FILE = rundir.SUMMARY
+CONFIG_FILE = rundir.CONFIG
 
 
 class ResultsError(ValueError):
@@ -60,8 +63,8 @@ def load_run(run_dir: str | Path) -> Run:
         raise ResultsError(f"{path}: no such run directory")
     if not path.is_dir():
         raise ResultsError(f"{path}: expected a run directory, got a file")
-    metrics_path = path / METRICS_FILE
-    summary_path = path / SUMMARY_FILE
+    paths = rundir.RunDir(path)
+    metrics_path, summary_path = paths.metrics, paths.summary
     if not metrics_path.is_file() and not summary_path.is_file():
         raise ResultsError(_not_a_run_message(path))
 
@@ -77,7 +80,7 @@ def load_run(run_dir: str | Path) -> Run:
                 evals.append(record)
 
     summary = _read_summary(summary_path) if summary_path.is_file() else None
-    config = _read_config(path / CONFIG_FILE)
+    config = _read_config(paths.config)
     return Run(path=path, name=path.name, config=config, train=train, eval=evals, summary=summary)
 
 
@@ -87,7 +90,7 @@ def _not_a_run_message(path: Path) -> str:
     children = sorted(
         p.name
         for p in path.iterdir()
-        if p.is_dir() and ((p / METRICS_FILE).is_file() or (p / SUMMARY_FILE).is_file())
+        if p.is_dir() and (rundir.RunDir(p).metrics.is_file() or rundir.RunDir(p).summary.is_file())
     )
     if children:
         shown = ", ".join(children[:5]) + (", ..." if len(children) > 5 else "")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +15,12 @@ from .models import build_model
 from .optim import build_optimizer
 from .options import TrainerOptions, apply_process_settings
 from .plugins import AlgorithmInfo, discover, instantiate
+from .rundir import new_run_dir
 from .trainer import Trainer
 
 
 def default_run_dir(label: str) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    path, n = Path("runs") / f"{label}-{stamp}", 1
-    while path.exists():
-        n += 1
-        path = Path("runs") / f"{label}-{stamp}-{n}"
-    return path
+    return new_run_dir(label)
 
 
 def build_trainer(

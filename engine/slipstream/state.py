@@ -97,6 +97,10 @@ class State:
     stash: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Set by a plugin (or SIGTERM) to end the run cleanly after the current batch.
     stop_requested: bool = False
+    # Why the run is stopping early, set with request_stop: the summary's status
+    # ("interrupted", "diverged", ...) and a message for the user.
+    stop_status: str | None = None
+    stop_reason: str | None = None
 
     _clock_start: float = field(default_factory=time.perf_counter, repr=False)
     _elapsed_before: float = field(default=0.0, repr=False)
@@ -179,6 +183,14 @@ class State:
         return (
             self.stop_requested or self.time_in(self.max_duration.unit) >= self.max_duration.value
         )
+
+    def request_stop(self, status: str, reason: str) -> None:
+        """End the run after the current batch with ``status`` in summary.json and
+        ``reason`` told to the user (a plain ``stop_requested = True`` ends it as
+        "completed")."""
+        self.stop_requested = True
+        self.stop_status = status
+        self.stop_reason = reason
 
     def plugin_stash(self, name: str) -> dict[str, Any]:
         return self.stash.setdefault(name, {})

@@ -6,12 +6,9 @@ calls the step hooks and advances time.
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +24,7 @@ from .checkpoint import load_checkpoint, rng_state, set_rng_state
 from .distributed import init_distributed, is_distributed, resolve_device
 from .duration import Duration
 from .errors import CheckpointError, ConfigError, PluginError
+from .interrupts import stop_on_signals
 from .options import AUTO, NormalizeOption, TrainerOptions, apply_process_settings, resolve_normalize
 from .plugins import (
     AlgorithmInfo,
@@ -37,6 +35,7 @@ from .plugins import (
     instantiate,
     resolve_order,
 )
+from .rundir import RunDir, atomic_write_text, new_run_dir
 from .services import (
     Checkpointer,
     DefaultSteps,
@@ -47,6 +46,7 @@ from .services import (
     SummaryWriter,
 )
 from .services.batches import to_device
+from .services.divergence import DivergenceMonitor
 from .state import State, unwrap_model
 from .versions import library_versions
 
@@ -98,6 +98,7 @@ class Trainer:
         verbose: bool = True,
         threads: int | None = None,
         deterministic: bool = False,
+        on_nonfinite: str = "stop",
     ) -> None:
         # One set-up for the Python API and the CLI (which passes the same options,
         # built from its config): validate, then threads, determinism and seeds.
@@ -117,6 +118,7 @@ class Trainer:
             threads=threads,
             deterministic=deterministic,
             verbose=verbose,
+            on_nonfinite=on_nonfinite,
         ).validate()
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         apply_process_settings(self.options, self.device)
@@ -131,8 +133,14 @@ class Trainer:
         if note and self.verbose:
             print(f"slipstream: {note}", file=sys.stderr)
         self.config = config or self._describe_run(model, optimizer)
+        self.on_nonfinite = self.options.on_nonfinite
         self.load_path = Path(load_path) if load_path else None
+        if self.load_path is not None and not self.load_path.exists():
+            # Checked before anything is built or written, so the retry starts clean.
+            raise CheckpointError(f"trainer.load_path: checkpoint {self.load_path} does not exist")
+        self.overwrite = overwrite
         self.run_dir = self._choose_run_dir(run_dir, overwrite)
+        self.paths = RunDir(self.run_dir)
         self.summary: dict[str, Any] = {}
 
         self.state = State(
@@ -204,27 +212,50 @@ class Trainer:
         return names | set(self.installed)
 
     def _choose_run_dir(self, run_dir: str | Path | None, overwrite: bool) -> Path:
-        if run_dir is None:
-            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-            run_dir = Path("runs") / f"run-{stamp}"
-            n = 1
-            while run_dir.exists():
-                n += 1
-                run_dir = Path("runs") / f"run-{stamp}-{n}"
-        run_dir = Path(run_dir)
-        previous = [
-            n for n in ("metrics.jsonl", "summary.json", "checkpoints") if (run_dir / n).exists()
-        ]
-        resuming_here = (
-            self.load_path is not None and run_dir.resolve() in self.load_path.resolve().parents
-        )
-        if previous and not (overwrite or resuming_here):
+        paths = RunDir(Path(run_dir) if run_dir is not None else new_run_dir("run"))
+        held = paths.holds_run()
+        resuming_here = self._resumes_in(paths)
+        if resuming_here and overwrite:
             raise ConfigError(
-                f"run directory {run_dir} already holds a run ({', '.join(previous)}); "
-                "choose another trainer.run_dir, resume it with "
-                f"trainer.load_path={run_dir / 'checkpoints' / 'latest.pt'}, or set trainer.overwrite=true"
+                f"trainer.overwrite=true would delete {self.load_path}, the checkpoint this run "
+                f"resumes from; drop trainer.overwrite to continue the run in {paths.root}, "
+                "or choose another trainer.run_dir"
             )
-        return run_dir
+        if held and not (overwrite or resuming_here):
+            resume = (
+                f"resume it with trainer.load_path={paths.latest}, "
+                if paths.latest.is_file()
+                else ""
+            )
+            raise ConfigError(
+                f"run directory {paths.root} already holds a run ({', '.join(held[:3])}); "
+                f"choose another trainer.run_dir, {resume}or set trainer.overwrite=true"
+            )
+        return paths.root
+
+    def _resumes_in(self, paths: RunDir) -> bool:
+        """Whether this run continues the one in ``paths`` (its checkpoint is in there)."""
+        return self.load_path is not None and paths.root.resolve() in (
+            self.load_path.resolve().parents
+        )
+
+    def _prepare_run_dir(self) -> None:
+        """Make the run directory this run's alone, once set-up has succeeded (so a
+        start that fails leaves an earlier run intact): overwrite clears the files of
+        the contract, and so does a retry after a start that failed before writing
+        any record or checkpoint. A resumed run keeps its files."""
+        paths = self.paths
+        if not self._resumes_in(paths) and (self.overwrite or not paths.holds_run()):
+            removed = paths.clear()
+            if removed and self.verbose and self.overwrite:
+                print(
+                    f"slipstream: trainer.overwrite: removed {len(removed)} files of the "
+                    f"previous run in {paths.root}",
+                    file=sys.stderr,
+                )
+        paths.root.mkdir(parents=True, exist_ok=True)
+        if self.config:
+            atomic_write_text(paths.config, yaml.safe_dump(self.config, sort_keys=False))
 
     def _register(
         self,
@@ -243,14 +274,17 @@ class Trainer:
         self.pm.register(self._defaults, name=DefaultSteps.name)
         self.summary_writer = SummaryWriter(self.run_dir, self._build_summary, write=write)
         self.pm.register(self.summary_writer, name=SummaryWriter.name)
+        self.divergence = DivergenceMonitor(log_interval, self.on_nonfinite)
         self.checkpointer = Checkpointer(
             self.run_dir,
             self._checkpoint_payload,
             checkpoint_interval,
             checkpoint_keep,
             write=write,
+            guard=self.divergence.check,
         )
         self.pm.register(self.checkpointer, name=Checkpointer.name)
+        self.pm.register(self.divergence, name=DivergenceMonitor.name)
         if progress_bar and write:
             self.pm.register(ProgressBar(), name=ProgressBar.name)
         self.pm.register(
@@ -298,16 +332,19 @@ class Trainer:
     # -- the run -------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        """Run to ``max_duration``; returns the summary (also in ``summary.json``)."""
+        """Run to ``max_duration``; returns the summary (also in ``summary.json``).
+
+        SIGINT and SIGTERM end the run after the current batch with a checkpoint
+        (status ``interrupted``); a non-finite loss ends it with status ``diverged``
+        (``on_nonfinite="stop"``) and no checkpoint of the bad weights.
+        """
         state, pm = self.state, self.pm
-        if state.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config, sort_keys=False))
         if self.verbose:
             order = " -> ".join(a.name for a in self.algorithms) or "none"
             print(f"slipstream: algorithms in order: {order}", file=sys.stderr)
             print(f"slipstream: run directory: {self.run_dir}", file=sys.stderr)
-        previous_handler = self._install_sigterm()
+        # Told even when quiet: the user must learn that a second signal aborts.
+        restore_signals = stop_on_signals(state, verbose=state.rank == 0)
         try:
             pm.hook.init(state=state)
             self._check_hooks()  # init may have registered helpers
@@ -315,6 +352,8 @@ class Trainer:
                 self._resume(self.load_path)
             self._wrap_distributed()
             self._bind_hooks()
+            if state.rank == 0:
+                self._prepare_run_dir()
             self._session_samples = state.timestamp.samples
             state.start_clock()
             self._hooks.fit_start(state=state)
@@ -326,9 +365,10 @@ class Trainer:
             pm.hook.exception(state=state, error=error)
             raise
         finally:
-            if previous_handler is not None:
-                signal.signal(signal.SIGTERM, previous_handler)
+            restore_signals()
         self.summary = self.summary_writer.summary
+        if self.verbose and state.stop_reason:
+            print(f"slipstream: {state.stop_reason}", file=sys.stderr)
         return self.summary
 
     def _loop(self) -> None:
@@ -399,17 +439,6 @@ class Trainer:
             return
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.state.model = nn.parallel.DistributedDataParallel(self.state.model, device_ids=ids)
-
-    def _install_sigterm(self) -> Any:
-        if threading.current_thread() is not threading.main_thread():
-            return None
-
-        def request_stop(signum: int, frame: Any) -> None:
-            # End after the current batch, with a checkpoint, rather than die mid-step.
-            self.state.stop_requested = True
-            self.state.summary["interrupted_by"] = "SIGTERM"
-
-        return signal.signal(signal.SIGTERM, request_stop)
 
     # -- checkpoints and summary -------------------------------------------------------
 

@@ -101,7 +101,8 @@ def test_order_with_mixed_precision_bf16(tmp_path):
     mp_cls = discover()["mixed_precision"].cls
     if mp_cls is None:
         pytest.skip("slipstream-mixed_precision is not installed")
-    trainer, seen = run(tmp_path, [clip(max_norm=1e-3), mp_cls()])
+    # Explicit bf16: auto trains in fp32 on a CPU without bf16 units.
+    trainer, seen = run(tmp_path, [clip(max_norm=1e-3), mp_cls(build_config(mp_cls, {"dtype": "bf16"}))])
     assert [a.name for a in trainer.algorithms] == ["mixed_precision", "grad_clipping", "probe"]
     assert trainer.state.autocast_dtype == torch.bfloat16
     assert all(s["norm"] <= 1e-3 * (1 + 1e-4) for s in seen)

@@ -154,7 +154,7 @@ def test_bf16_state_saved_and_restored(tmp_path):
     ckpt = first.run_dir / "checkpoints" / "latest.pt"
     saved = torch.load(ckpt, weights_only=True)["plugins"]["mixed_precision"]
     assert saved["state"] == {"dtype": "bf16", "skipped_steps": 0}
-    assert saved["config"] == {"dtype": "bf16"}
+    assert saved["config"] == {"dtype": "bf16", "warn_after_skips": 25}
     resumed = train(tmp_path / "a", [bf16()], model=small_model(), max_duration="2ep",
                     load_path=ckpt, eval_interval=None)
     assert resumed.state.timestamp.epoch == 2
@@ -321,3 +321,33 @@ def test_explicit_bf16_on_a_cpu_without_bf16_units_warns(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="emulated"):
         train(tmp_path, [MixedPrecision(MixedPrecisionConfig(dtype="bf16")), probe], max_duration="1ba")
     assert seen["conv"] == {torch.bfloat16}  # the user asked for it: honoured
+
+
+def _overflow_always(state) -> None:
+    state.model.fc.weight.grad[0, 0] = float("inf")
+
+
+def test_fp16_skipping_every_step_is_reported(tmp_path):
+    mp = fp16(warn_after_skips=3)
+    with pytest.warns(RuntimeWarning, match="skipped 3 optimizer steps in a row") as caught:
+        trainer = train(tmp_path, [mp, Probe(after_backward=_overflow_always)], model=small_model(),
+                        max_duration="1ep", eval_interval=None)
+    streak = [str(w.message) for w in caught if "in a row" in str(w.message)]
+    assert len(streak) == 1 and "steps 1-3" in streak[0]  # once, naming the steps
+    assert trainer.summary["skipped_steps"] == trainer.summary["longest_skip_streak"] == 4
+    assert any("skipped 3 optimizer steps" in w for w in trainer.summary["warnings"])
+
+
+def test_fp16_occasional_skips_are_not_reported(tmp_path):
+    mp = fp16(warn_after_skips=2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="mixed_precision: the fp16 GradScaler")
+        trainer = train(tmp_path, [mp, Probe(after_backward=overflow)], model=small_model(),
+                        max_duration="2ep", eval_interval=None)  # skips at batches 1 and 4
+    assert trainer.summary["skipped_steps"] == 2 and trainer.summary["longest_skip_streak"] == 1
+    assert "warnings" not in trainer.summary
+
+
+def test_warn_after_skips_is_validated():
+    with pytest.raises(ConfigError, match="warn_after_skips must be a whole number of steps"):
+        build_config(MixedPrecision, {"warn_after_skips": 0})

@@ -1,18 +1,22 @@
 """Write checkpoints at an interval and at the end of the run.
 
 Files go to ``RUN_DIR/checkpoints/ep{E}-ba{B}.pt``; the newest is also
-``latest.pt``. Only rank 0 writes. Without an interval nothing is written.
+``latest.pt``. Only rank 0 writes. Without an interval nothing is written. A
+checkpoint whose weights are not all finite is never written, so ``latest.pt``
+stays the last good one.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import save_checkpoint
+from ..checkpoint import nonfinite_tensors, save_checkpoint
 from ..duration import Duration
 from ..hookspecs import hookimpl
+from ..rundir import RunDir
 from ..state import State
 
 
@@ -26,9 +30,13 @@ class Checkpointer:
         interval: Duration | str | None = "1ep",
         keep: int = 2,
         write: bool = True,
+        guard: Callable[[State], bool] | None = None,
     ) -> None:
-        self.folder = Path(run_dir) / "checkpoints"
+        self.paths = RunDir(Path(run_dir))
+        self.folder = self.paths.checkpoints
         self.build_payload = build_payload
+        # Asked before each save (the divergence check); False means do not save.
+        self.guard = guard
         self.interval = Duration.parse(interval) if interval else None
         self.keep = keep
         self.write = write
@@ -70,12 +78,29 @@ class Checkpointer:
 
     def save(self, state: State) -> Path | None:
         self._last_saved_batch = state.timestamp.batch
+        if self.guard is not None and not self.guard(state):
+            return None
         payload = self.build_payload(state)  # every rank: may hold collectives later (FSDP)
         if not self.write:
             return None
         ts = state.timestamp
-        path = save_checkpoint(payload, self.folder / f"ep{ts.epoch}-ba{ts.batch}.pt")
-        save_checkpoint(payload, self.folder / "latest.pt")
+        bad = nonfinite_tensors(payload["model"])
+        if bad:
+            kept = (
+                f"{self.paths.latest} stays the last good one"
+                if self.paths.latest.is_file()
+                else "no checkpoint is written"
+            )
+            shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+            warnings.warn(
+                f"slipstream: not writing the checkpoint of step {ts.batch}: the weights hold "
+                f"NaN or infinity ({shown}); {kept}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+        path = save_checkpoint(payload, self.paths.checkpoint(ts.epoch, ts.batch))
+        save_checkpoint(payload, self.paths.latest)
         self._written.append(path)
         while self.keep >= 0 and len(self._written) > max(self.keep, 1):
             self._written.pop(0).unlink(missing_ok=True)

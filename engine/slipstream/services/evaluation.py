@@ -61,7 +61,11 @@ class Evaluator:
     @hookimpl(tryfirst=True)
     def fit_end(self, state: State) -> None:
         # The final evaluation comes before every other fit_end, so plugins see
-        # the final metrics there. No interval means no evaluation at all.
+        # the final metrics there. No interval means no evaluation at all. An
+        # interrupted run goes straight to its checkpoint (a scheduler's grace period
+        # is short); diverged weights are not worth evaluating.
+        if state.stop_status in ("interrupted", "diverged"):
+            return
         if self.interval is not None and self._last_eval_batch != state.timestamp.batch:
             self.evaluate(state)
 

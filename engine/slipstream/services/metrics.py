@@ -1,11 +1,15 @@
 """``metrics.jsonl``: one train record per logging interval, one eval record per
 evaluation. The loss is summed on the device and read once per interval, so the
-loop never waits for the device in between."""
+loop never waits for the device in between.
+
+Records are strict JSON: a NaN or infinite value is written as null and named in
+the record's ``"nonfinite"`` list. A resumed run first drops the records past the
+step it resumes from, so the log reads as one run.
+"""
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -13,22 +17,40 @@ from typing import Any
 import torch
 
 from ..hookspecs import hookimpl
+from ..rundir import METRICS, atomic_write_text, strict_json
 from ..state import State
 
 
 def _scalar(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None  # JSON has no NaN; tools treat null as missing
-    return value
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def truncate_log(path: Path, step: int) -> int:
+    """Keep the records of ``path`` up to ``step``; drop later ones and any line a
+    crash cut short. Returns how many lines were dropped."""
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            keep = isinstance(record, dict) and int(record.get("step", 0)) <= step
+        except (ValueError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        atomic_write_text(path, "".join(kept))
+    return dropped
 
 
 class MetricsLogger:
     name = "engine.metrics"
 
     def __init__(self, run_dir: Path | None, log_interval: int = 20, write: bool = True) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl" if run_dir is not None and write else None
+        self.path = Path(run_dir) / METRICS if run_dir is not None and write else None
         self.log_interval = log_interval
         self._file: Any = None
         self._loss_sum: torch.Tensor | None = None
@@ -46,6 +68,8 @@ class MetricsLogger:
         self._last: dict[str, dict[str, Any]] = {}
         state.stash["engine.metrics"] = self._last
         if self.path is not None:
+            if self.path.is_file():  # a resumed run: its log continues from here
+                truncate_log(self.path, state.timestamp.batch)
             self._file = self.path.open("a", buffering=1)
         self._samples_at_last = state.timestamp.samples
         self._time_at_last = time.perf_counter()
@@ -107,10 +131,13 @@ class MetricsLogger:
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(strict_json(record) + "\n")
 
     @hookimpl
     def fit_end(self, state: State) -> None:
+        # A stop asked for later in the last batch_end (a divergence found by the
+        # check before a checkpoint) left that interval unlogged.
+        self.log_train(state)
         self.close()
 
     @hookimpl

@@ -1,0 +1,231 @@
+"""The run-directory contract: every file a run writes, where, and how.
+
+::
+
+    RUN_DIR/config.yaml            the resolved config
+    RUN_DIR/metrics.jsonl          one JSON record per logged step or evaluation
+    RUN_DIR/summary.json           the run's outcome
+    RUN_DIR/checkpoints/latest.pt  the newest checkpoint
+    RUN_DIR/checkpoints/best.pt    the checkpoint with the best accuracy
+    RUN_DIR/checkpoints/ep{E}-ba{B}.pt  interval checkpoints
+
+Every writer and every reader takes its paths from here, so that clearing a run
+(``trainer.overwrite=true``) removes exactly the files a run owns and never a
+user's own files that happen to sit in the same directory. Files are replaced
+atomically and durably (temporary file, fsync, rename, fsync of the directory),
+with the permissions the user's umask gives any new file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Any
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+CHECKPOINTS = "checkpoints"
+LATEST = "latest.pt"
+BEST = "best.pt"
+
+_INTERVAL_CHECKPOINT = re.compile(r"ep\d+-ba\d+\.pt")
+# Temporary files of atomic_write: ".{name}.{token}.tmp".
+_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{16}\.tmp")
+
+
+def checkpoint_name(epoch: int, batch: int) -> str:
+    """The file name of the interval checkpoint at ``epoch`` and global ``batch``.
+
+    >>> checkpoint_name(2, 40)
+    'ep2-ba40.pt'
+    """
+    return f"ep{epoch}-ba{batch}.pt"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The paths of one run directory (nothing is created until a writer writes)."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS
+
+    @property
+    def summary(self) -> Path:
+        return self.root / SUMMARY
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    @property
+    def latest(self) -> Path:
+        return self.checkpoints / LATEST
+
+    @property
+    def best(self) -> Path:
+        return self.checkpoints / BEST
+
+    def checkpoint(self, epoch: int, batch: int) -> Path:
+        return self.checkpoints / checkpoint_name(epoch, batch)
+
+    def checkpoint_files(self) -> list[Path]:
+        """The checkpoints of the contract that exist (latest, best, interval ones)."""
+        if not self.checkpoints.is_dir():
+            return []
+        return sorted(
+            p
+            for p in self.checkpoints.iterdir()
+            if p.is_file() and (p.name in (LATEST, BEST) or _INTERVAL_CHECKPOINT.fullmatch(p.name))
+        )
+
+    def run_files(self) -> list[Path]:
+        """Every file of the contract that exists here, temporary files included."""
+        files = [p for p in (self.config, self.metrics, self.summary) if p.is_file()]
+        files += self.checkpoint_files()
+        for folder in (self.root, self.checkpoints):
+            if folder.is_dir():
+                files += [p for p in folder.iterdir() if _TEMPORARY.fullmatch(p.name)]
+        return files
+
+    def holds_run(self) -> list[str]:
+        """What makes this directory worth protecting: names of the checkpoints and
+        of a non-empty metrics log. A start that failed before its first record
+        leaves neither, so its leftovers never block the retry."""
+        held = [str(p.relative_to(self.root)) for p in self.checkpoint_files()]
+        if self.metrics.is_file() and self.metrics.stat().st_size > 0:
+            held.insert(0, METRICS)
+        return held
+
+    def clear(self) -> list[Path]:
+        """Delete the files of the contract (and an emptied checkpoints folder);
+        anything else in the directory is left alone. Returns what was deleted."""
+        removed = self.run_files()
+        for path in removed:
+            path.unlink(missing_ok=True)
+        if self.checkpoints.is_dir() and not any(self.checkpoints.iterdir()):
+            self.checkpoints.rmdir()
+        if removed:
+            fsync_dir(self.root)
+        return removed
+
+
+def new_run_dir(label: str = "run", parent: str | Path = "runs") -> Path:
+    """A fresh ``parent/label-YYYYmmdd-HHMMSS`` path (suffixed -2, -3, ... if taken)."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    path, n = Path(parent) / f"{label}-{stamp}", 1
+    while path.exists():
+        n += 1
+        path = Path(parent) / f"{label}-{stamp}-{n}"
+    return path
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Make a rename or deletion in ``folder`` durable (where the OS allows it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # Windows cannot open a directory; renames there are durable enough
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
+    """Write ``path`` through ``write(file)`` so that a crash at any moment leaves
+    either the old file or the new one, never a truncated one.
+
+    Unlike ``tempfile.mkstemp`` (mode 0600) the file is created with mode 0666
+    minus the umask, as ``open()`` would, so checkpoints get the same permissions
+    as every other file of the run.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+# --------------------------------------------------------------------------- strict JSON
+
+
+def finite_json(value: Any, _path: str = "", _found: list[str] | None = None) -> tuple[Any, list[str]]:
+    """``value`` with every NaN or infinity replaced by None, and the dotted keys
+    where that happened, so that ``json.dumps(..., allow_nan=False)`` accepts it.
+
+    >>> finite_json({"loss": float("nan"), "lr": 0.1, "sizes": [1.0, float("inf")]})
+    ({'loss': None, 'lr': 0.1, 'sizes': [1.0, None]}, ['loss', 'sizes.1'])
+    """
+    found = [] if _found is None else _found
+    if isinstance(value, float) and not math.isfinite(value):
+        found.append(_path)
+        return None, found
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            out[key] = finite_json(item, f"{_path}.{key}" if _path else str(key), found)[0]
+        return out, found
+    if isinstance(value, (list, tuple)):
+        items = [
+            finite_json(item, f"{_path}.{i}" if _path else str(i), found)[0]
+            for i, item in enumerate(value)
+        ]
+        return items, found
+    return value, found
+
+
+def strict_json(value: dict[str, Any], **options: Any) -> str:
+    """``value`` as strict JSON (no NaN, no Infinity): non-finite numbers become
+    null and a ``"nonfinite"`` field lists the keys that held them.
+
+    >>> strict_json({"step": 3, "loss": float("nan")})
+    '{"step": 3, "loss": null, "nonfinite": ["loss"]}'
+    """
+    clean, bad = finite_json(value)
+    if bad:
+        clean["nonfinite"] = bad
+    # default=str keeps odd values (a dtype, a path) readable instead of failing the write.
+    return json.dumps(clean, allow_nan=False, default=str, **options)
