@@ -95,7 +95,7 @@ def test_resume_mid_epoch_is_bit_exact(tmp_path):
     straight = train(
         tmp_path / "straight", [Counter()], max_duration="6ba", checkpoint_interval=None
     )
-    first = train(tmp_path / "split", [Counter()], max_duration="3ba", checkpoint_interval=None)
+    first = train(tmp_path / "split", [Counter()], max_duration="3ba", checkpoint_interval="3ba")
     counter = Counter()
     resumed = train(
         tmp_path / "split",

@@ -2,7 +2,8 @@
 
 The public API, which plugins may import:
 
-- :class:`Trainer` runs the loop; :class:`State` is what every hook receives.
+- :class:`Trainer` runs the loop (its run-level settings are :class:`TrainerOptions`);
+  :class:`State` is what every hook receives.
 - :class:`Algorithm` is the base class of a technique; :data:`hookimpl` marks its
   hook methods (the contract is :mod:`slipstream.hookspecs`).
 - :class:`Duration` parses ``10ep``, ``0.3dur``, ``15m`` ...
@@ -16,6 +17,7 @@ from .duration import Duration, DurationError
 from .errors import CheckpointError, ConfigError, PluginError, SlipstreamError
 from .hookspecs import hookimpl
 from .images import to_unit_float
+from .options import TrainerOptions
 from .state import State, Timestamp, unwrap_model
 from .trainer import Trainer
 
@@ -32,6 +34,7 @@ __all__ = [
     "State",
     "Timestamp",
     "Trainer",
+    "TrainerOptions",
     "hookimpl",
     "load_checkpoint",
     "to_unit_float",

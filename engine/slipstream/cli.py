@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import SlipstreamError
+from .errors import (
+    ConfigWarning,
+    SlipstreamError,
+    describe,
+    describe_os_error,
+    network_failure,
+)
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -98,23 +106,85 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    # Options and key=value overrides may come in any order: argparse gives the
+    # overrides after the first option back as extras, which join the others in order.
+    args, extras = parser.parse_known_args(argv)
+    unknown = [e for e in extras if args.command != "train" or e.startswith("-") or "=" not in e]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extras:
+        args.overrides = [*args.overrides, *extras]
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", ConfigWarning)
+        warnings.showwarning = _show_warning(warnings.showwarning)
+        try:
+            return _COMMANDS[args.command](args)
+        except KeyboardInterrupt as exc:
+            print(f"slipstream: {exc or 'interrupted'}", file=sys.stderr)
+            return 128 + getattr(exc, "signum", signal.SIGINT)
+        except Exception as exc:
+            message = user_error_message(exc)
+            if message is None:
+                raise  # a bug: its traceback is what a report needs
+            return _fail(message)
+
+
+def user_error_message(exc: BaseException) -> str | None:
+    """The one-line message for an error a user can act on, or None for a bug."""
+    if isinstance(exc, SlipstreamError):
+        return str(exc)
+    if network_failure(exc) is not None:
+        return (
+            f"there is no network ({describe(network_failure(exc))}); "
+            "offline, use data already on disk and model.pretrained=false"
+        )
+    if isinstance(exc, OSError):
+        return describe_os_error(exc)
+    # data and results errors are ValueErrors with a clear message
+    if isinstance(exc, ValueError) and type(exc).__name__ in ("DataError", "ResultsError"):
+        return describe(exc)
+    return None
+
+
+def _rank() -> int:
     try:
-        return _COMMANDS[args.command](args)
-    except SlipstreamError as exc:
-        print(f"slipstream: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ValueError as exc:  # data and results errors are ValueErrors with a clear message
-        if type(exc).__name__ in ("DataError", "ResultsError"):
-            print(f"slipstream: error: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        raise
-    except KeyboardInterrupt as exc:
-        print(f"slipstream: {exc or 'interrupted'}", file=sys.stderr)
-        return 128 + getattr(exc, "signum", signal.SIGINT)
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _fail(message: str) -> int:
+    # Under torchrun every rank meets the same user error: one message (rank 0),
+    # and every rank leaves the process group and exits with the same code.
+    if _rank() == 0:
+        print(f"slipstream: error: {message}", file=sys.stderr)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # leaving is best effort: the error above is what matters
+        pass
+    return EXIT_USAGE
+
+
+def _show_warning(default: Any) -> Any:
+    """Slipstream's own warnings as one line each (rank 0 only); others as Python shows them."""
+    package = str(Path(__file__).parent)
+
+    def show(message: Any, category: type, filename: str, *args: Any, **kwargs: Any) -> None:
+        ours = issubclass(category, ConfigWarning) or (
+            category is UserWarning and str(filename).startswith(package)
+        )
+        if not ours:
+            default(message, category, filename, *args, **kwargs)
+        elif _rank() == 0:
+            print(f"slipstream: warning: {message}", file=sys.stderr)
+
+    return show
 
 
 def _train(args: argparse.Namespace) -> int:

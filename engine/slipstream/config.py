@@ -4,6 +4,9 @@ defaults < recipe (with ``extends``) < ``--algorithms`` < dotted overrides."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -12,11 +15,10 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .duration import Duration, DurationError
-from .errors import ConfigError, did_you_mean
+from .errors import ConfigError, ConfigWarning, did_you_mean
+from .options import INT64, TrainerOptions
 from .peak_flops import parse_peak_tflops
 from .recipes import find_recipe
-from .services.divergence import check_on_nonfinite
 from .services.target import check_target
 
 
@@ -63,11 +65,11 @@ class OptimizerConfig:
 class TrainerConfig:
     max_duration: str = "5ep"
     seed: int = 0
-    eval_interval: str = "1ep"
+    eval_interval: Optional[str] = "1ep"  # None: no evaluation at all
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     run_dir: Optional[str] = None  # None: runs/<recipe>-<date>-<time>
     log_interval: int = 20  # batches between train records (the only device syncs)
-    checkpoint_interval: Optional[str] = "1ep"  # None: only at the end
+    checkpoint_interval: Optional[str] = "1ep"  # None: no checkpoints at all
     checkpoint_keep: int = 2  # interval checkpoints kept besides latest.pt
     load_path: Optional[str] = None  # a checkpoint to resume from
     overwrite: bool = False  # clear the run files of a run_dir that already holds a run
@@ -98,7 +100,6 @@ SECTIONS = {
     "optimizer": OptimizerConfig,
     "trainer": TrainerConfig,
 }
-DURATION_KEYS = ("trainer.max_duration", "trainer.eval_interval", "trainer.checkpoint_interval")
 FREE_FORM = ("model.kwargs",)  # dictionaries whose keys are not ours to check
 
 
@@ -213,14 +214,14 @@ def build_config(
         for name in add:
             algos.setdefault(name, {})
         for name in remove:
-            algos.pop(name, None)
+            _remove_algorithm(algos, name, f"--algorithms no:{name}")
 
     over = parse_overrides(list(overrides or []))
     check_keys(over, source="command line")
     for name, options in (over.pop("algorithms", None) or {}).items():
         # A dotted option for an algorithm enables it: the user asked for it by name.
         if options is False or options is None:
-            algos.pop(name, None)
+            _remove_algorithm(algos, name, f"algorithms.{name}={str(options).lower()}")
             continue
         current = algos.get(name) or {}
         if not isinstance(options, dict):
@@ -228,8 +229,47 @@ def build_config(
         algos[name] = {**current, **options}
     merged = _merge(merged, over, "command line")
     merged.algorithms = {name: (opts or {}) for name, opts in algos.items()}
+    _resolve_interpolations(merged)
     validate(merged)
+    warn_no_ops(merged)
     return merged
+
+
+def _remove_algorithm(algos: dict[str, Any], name: str, source: str) -> None:
+    """Remove ``name``; removing what is not there is refused (a name no plugin
+    has) or warned about (installed but not enabled), never silent."""
+    if name in algos:
+        del algos[name]
+        return
+    from .plugins import discover
+
+    installed = discover(load=False)
+    if name not in installed:
+        raise ConfigError(
+            f"{source}: no algorithm {name!r} is installed{did_you_mean(name, installed)}; "
+            f"installed algorithms: {', '.join(sorted(installed)) or 'none'}"
+        )
+    enabled = ", ".join(algos) or "none"
+    warnings.warn(
+        f"{source} removes nothing: {name!r} is not enabled (enabled: {enabled})",
+        ConfigWarning,
+        stacklevel=3,
+    )
+
+
+def _resolve_interpolations(cfg: DictConfig) -> None:
+    """Resolve every ${...} now, so that one that cannot resolve is a config error
+    naming the key, not a failure later in the run."""
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        message = str(exc).strip().splitlines()[0]
+        raise ConfigError(
+            f"{key}: cannot resolve its interpolation ({message}); ${{a.b}} must name "
+            "another key of the config, e.g. ${trainer.seed}, or ${oc.env:NAME} a set "
+            "environment variable"
+        ) from None
 
 
 def _merge(base: DictConfig, layer: dict[str, Any], source: str) -> DictConfig:
@@ -243,35 +283,98 @@ def _merge(base: DictConfig, layer: dict[str, Any], source: str) -> DictConfig:
 
 def validate(cfg: DictConfig) -> None:
     """Checks that the types alone do not express."""
-    for dotted in DURATION_KEYS:
-        value = OmegaConf.select(cfg, dotted)
-        if value is None and dotted != "trainer.max_duration":
-            continue
-        try:
-            d = Duration.parse(value)
-        except DurationError as exc:
-            raise ConfigError(f"{dotted}: {exc}") from None
-        if dotted == "trainer.max_duration" and d.unit == "dur":
-            raise ConfigError(
-                "trainer.max_duration: 'dur' is relative to the run itself; use ep, ba, sp or a wall-clock time"
-            )
-        if d.value <= 0:
-            raise ConfigError(f"{dotted}: must be positive, got {value!r}")
+    _check_numbers(cfg)
+    TrainerOptions.from_config(cfg.trainer).validate(prefix="trainer.")
     if cfg.data.batch_size < 1:
         raise ConfigError(f"data.batch_size must be at least 1, got {cfg.data.batch_size}")
+    if cfg.data.eval_batch_size is not None and cfg.data.eval_batch_size < 1:
+        raise ConfigError(
+            f"data.eval_batch_size must be at least 1 or null (2 x batch_size), "
+            f"got {cfg.data.eval_batch_size}"
+        )
     if cfg.data.image_size < 8:
         raise ConfigError(f"data.image_size must be at least 8 pixels, got {cfg.data.image_size}")
-    if cfg.data.num_workers < 0:
-        raise ConfigError(f"data.num_workers must be 0 or more, got {cfg.data.num_workers}")
+    if not 0 <= cfg.data.num_workers <= MAX_WORKERS:
+        raise ConfigError(
+            f"data.num_workers is the number of loader processes: from 0 to {MAX_WORKERS} "
+            f"on this machine, got {cfg.data.num_workers}"
+        )
+    if cfg.model.num_classes is not None and cfg.model.num_classes < 1:
+        raise ConfigError(f"model.num_classes must be at least 1, got {cfg.model.num_classes}")
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
-    check_on_nonfinite(cfg.trainer.on_nonfinite)
     check_target(cfg.trainer.target_accuracy, cfg.trainer.stop_at_target)
     parse_peak_tflops(_plain(cfg.trainer.peak_tflops))
-    if cfg.trainer.log_interval < 1:
-        raise ConfigError(
-            f"trainer.log_interval must be at least 1 batch, got {cfg.trainer.log_interval}"
-        )
+
+
+# More loader processes than this only thrash (and a typo of a few digits would
+# start thousands of them).
+MAX_WORKERS = max(32, 4 * (os.cpu_count() or 1))
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    """Every number in the engine's sections (model.kwargs included) is one torch
+    can take: integers within 64 bits, floats finite."""
+    for section in SECTIONS:
+        for key, value in _leaves(OmegaConf.to_container(cfg[section]), section):
+            if isinstance(value, bool):
+                continue
+            if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+                raise ConfigError(
+                    f"{key}={value} is too large: whole numbers must fit in 64 bits "
+                    f"(at most {INT64[1]})"
+                )
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{key}={value}: must be a finite number")
+
+
+def _leaves(value: Any, key: str) -> Any:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{key}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{key}[{i}]")
+    else:
+        yield key, value
+
+
+# Keys that only some choices read: (key, who reads it, the choice's key).
+_READ_ONLY_BY = (
+    ("data.num_classes", ("synthetic",), "data.name"),
+    ("data.train_size", ("synthetic",), "data.name"),
+    ("data.val_size", ("synthetic",), "data.name"),
+    ("data.root", ("cifar10", "cifar100", "imagefolder"), "data.name"),
+    ("data.download", ("cifar10", "cifar100"), "data.name"),
+    ("optimizer.momentum", ("sgd",), "optimizer.name"),
+    ("optimizer.nesterov", ("sgd",), "optimizer.name"),
+    ("optimizer.betas", ("adamw",), "optimizer.name"),
+    ("optimizer.eps", ("adamw", "adafactor"), "optimizer.name"),
+)
+
+
+def warn_no_ops(cfg: DictConfig) -> None:
+    """Warn about settings changed from their default that this run would ignore."""
+    defaults = OmegaConf.structured(RunConfig)
+
+    def changed(key: str) -> bool:
+        return OmegaConf.select(cfg, key) != OmegaConf.select(defaults, key)
+
+    ignored = [
+        f"{key} is ignored with {choice}={OmegaConf.select(cfg, choice)} "
+        f"(only {' and '.join(readers)} read it)"
+        for key, readers, choice in _READ_ONLY_BY
+        if changed(key) and OmegaConf.select(cfg, choice) not in readers
+    ]
+    t, d = cfg.trainer, cfg.data
+    if t.checkpoint_interval is None and changed("trainer.checkpoint_keep"):
+        ignored.append("trainer.checkpoint_keep is ignored: trainer.checkpoint_interval=null")
+    if t.eval_interval is None and changed("data.eval_batch_size"):
+        ignored.append("data.eval_batch_size is ignored: trainer.eval_interval=null")
+    if d.persistent_workers and d.num_workers == 0:
+        ignored.append("data.persistent_workers is ignored: data.num_workers=0 starts no workers")
+    for message in ignored:
+        warnings.warn(message, ConfigWarning, stacklevel=3)
 
 
 def _plain(value: Any) -> Any:

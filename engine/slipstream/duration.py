@@ -39,7 +39,12 @@ class Duration:
                 "s, m, h (wall clock) — e.g. '10ep', '0.3dur', '15m'"
             )
         number, exponent, unit = match.groups()
-        value = float(number) * (10 ** int(exponent) if exponent else 1)
+        try:
+            value = float(number) * (10 ** int(exponent) if exponent else 1)
+        except OverflowError:
+            value = float("inf")
+        if value == float("inf"):
+            raise DurationError(f"{text!r} is too large a duration to represent")
         if unit in _WALL_CLOCK:
             value, unit = value * _WALL_CLOCK[unit], "s"
         if unit == "dur" and value > 1:

@@ -8,7 +8,7 @@ import timm
 import torchvision
 from torch import nn
 
-from .errors import ConfigError, did_you_mean
+from .errors import ConfigError, SlipstreamError, describe, did_you_mean, network_failure
 
 
 def _timm_names() -> list[str]:
@@ -49,18 +49,25 @@ def build_model(
     if source not in ("", "timm", "torchvision"):
         raise ConfigError(f"model.name {name!r}: the prefix must be 'timm/' or 'torchvision/'")
     if source in ("", "timm") and timm.is_model(bare):
-        model = _build_timm(bare, num_classes, image_size, pretrained, kwargs)
+        library = "timm"
     elif source in ("", "torchvision") and bare in _torchvision_names():
-        weights = "DEFAULT" if pretrained else None
-        model = torchvision.models.get_model(
-            bare, weights=weights, num_classes=num_classes, **kwargs
-        )
+        library = "torchvision"
     else:
         names = _timm_names() + _torchvision_names()
         raise ConfigError(
             f"unknown model {name!r}{did_you_mean(bare, names)}; use a timm or torchvision "
             "model name (`python -c 'import timm; print(timm.list_models())'` lists timm's)"
         )
+    try:
+        if library == "timm":
+            model = _build_timm(bare, num_classes, image_size, pretrained, kwargs)
+        else:
+            weights = "DEFAULT" if pretrained else None
+            model = torchvision.models.get_model(
+                bare, weights=weights, num_classes=num_classes, **kwargs
+            )
+    except Exception as exc:  # the library's own errors, whatever their type
+        raise _model_error(exc, f"{library}/{bare}", num_classes, pretrained, kwargs) from None
     if cifar_stem:
         apply_cifar_stem(model)
     return model
@@ -83,10 +90,29 @@ def _build_timm(
         kwargs.setdefault("dynamic_img_size", True)
         if image_size is not None:
             kwargs.setdefault("img_size", image_size)
-    try:
-        return timm.create_model(name, pretrained=pretrained, num_classes=num_classes, **kwargs)
-    except TypeError as exc:
-        raise ConfigError(f"model {name!r} does not accept these model.kwargs: {exc}") from None
+    return timm.create_model(name, pretrained=pretrained, num_classes=num_classes, **kwargs)
+
+
+def _model_error(
+    exc: Exception, name: str, num_classes: int, pretrained: bool, kwargs: dict[str, Any]
+) -> SlipstreamError:
+    """One clear message for whatever timm or torchvision raised."""
+    if isinstance(exc, SlipstreamError):
+        return exc
+    if pretrained and network_failure(exc) is not None:
+        return ConfigError(
+            f"model {name}: cannot download its pretrained weights: there is no network "
+            f"({describe(network_failure(exc))}). Offline, set model.pretrained=false, or "
+            "fetch the weights on a connected machine into the cache this machine uses "
+            "(HF_HOME for timm, TORCH_HOME for torchvision) and, for timm, set HF_HUB_OFFLINE=1"
+        )
+    given = f"num_classes={num_classes}" + (", pretrained weights" if pretrained else "")
+    given += f", model.kwargs={kwargs}" if kwargs else ""
+    if isinstance(exc, MemoryError):
+        return ConfigError(f"model {name}: not enough memory to build it with {given}")
+    if isinstance(exc, (TypeError, ValueError, AssertionError, RuntimeError, KeyError)):
+        return ConfigError(f"model {name} cannot be built with {given}: {describe(exc)}")
+    raise exc
 
 
 def count_parameters(model: nn.Module) -> int:

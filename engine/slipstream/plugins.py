@@ -40,6 +40,9 @@ class AlgorithmInfo:
         ep, self.entry_point = self.entry_point, None
         try:
             cls = ep.load()
+        except SystemExit as exc:  # sys.exit() at import must not end the host
+            self.error = f"its import called sys.exit({exc.code!r})"
+            return
         except Exception as exc:  # a plugin's import may fail in any way
             self.error = f"{type(exc).__name__}: {exc}"
             return

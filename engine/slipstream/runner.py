@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
 
 from .config import to_dict
@@ -15,6 +13,7 @@ from .distributed import init_distributed, resolve_device
 from .errors import ConfigError
 from .models import build_model
 from .optim import build_optimizer
+from .options import TrainerOptions, apply_process_settings
 from .plugins import AlgorithmInfo, discover, instantiate
 from .rundir import new_run_dir
 from .trainer import Trainer
@@ -36,14 +35,17 @@ def build_trainer(
     installed = discover(load=False) if installed is None else installed
     algorithms = instantiate(dict(to_dict(cfg.algorithms)), installed)
     t, d, m, o = cfg.trainer, cfg.data, cfg.model, cfg.optimizer
-    if t.threads:
-        torch.set_num_threads(t.threads)
-    if t.deterministic:
-        torch.use_deterministic_algorithms(True)
+    # The same options and validation as a Trainer built in Python; the process
+    # settings come first so that data and model are built seeded.
+    options = TrainerOptions.from_config(
+        t,
+        run_dir=t.run_dir or default_run_dir(label),
+        normalize=DATASET_STATS.get(d.name) if d.normalize else None,
+        verbose=verbose,
+    ).validate(prefix="trainer.")
     device = resolve_device(t.device)
+    apply_process_settings(options, device)
     rank, world_size = init_distributed(device)
-    random.seed(t.seed)
-    torch.manual_seed(t.seed)
 
     try:
         train_set, val_set, num_classes = build_datasets(
@@ -58,6 +60,11 @@ def build_trainer(
         )
     except DataError as exc:
         raise ConfigError(f"data: {exc}") from None
+    except MemoryError:
+        raise ConfigError(
+            f"data: not enough memory to build {d.name!r} with data.train_size={d.train_size}, "
+            f"data.val_size={d.val_size}, data.image_size={d.image_size}; make them smaller"
+        ) from None
     loader_options: dict[str, Any] = dict(
         seed=t.seed,
         rank=rank,
@@ -107,24 +114,11 @@ def build_trainer(
         optimizer=optimizer,
         train_data=train_loader,
         eval_data=eval_loader,
-        max_duration=t.max_duration,
         algorithms=algorithms,
-        run_dir=t.run_dir or default_run_dir(label),
-        seed=t.seed,
-        device=device,
-        eval_interval=t.eval_interval,
-        log_interval=t.log_interval,
-        checkpoint_interval=t.checkpoint_interval,
-        checkpoint_keep=t.checkpoint_keep,
-        normalize=DATASET_STATS[d.name] if d.normalize else None,
-        progress_bar=t.progress_bar,
-        load_path=t.load_path,
-        overwrite=t.overwrite,
-        on_nonfinite=t.on_nonfinite,
         config=resolved,
         installed=installed,
-        verbose=verbose,
         target_accuracy=t.target_accuracy,
         stop_at_target=t.stop_at_target,
         peak_tflops=to_dict(t)["peak_tflops"],
+        **{**options.trainer_kwargs(), "device": device},
     )

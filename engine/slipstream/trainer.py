@@ -25,6 +25,7 @@ from .distributed import init_distributed, is_distributed, resolve_device
 from .duration import Duration
 from .errors import CheckpointError, ConfigError, PluginError
 from .interrupts import stop_on_signals
+from .options import AUTO, NormalizeOption, TrainerOptions, apply_process_settings, resolve_normalize
 from .peak_flops import parse_peak_tflops
 from .plugins import (
     AlgorithmInfo,
@@ -48,9 +49,9 @@ from .services import (
     Utilization,
 )
 from .services.batches import to_device
-from .services.divergence import DivergenceMonitor, check_on_nonfinite
+from .services.divergence import DivergenceMonitor
 from .services.target import check_target
-from .state import State
+from .state import State, unwrap_model
 from .versions import library_versions
 
 
@@ -66,6 +67,12 @@ class Trainer:
     ``(inputs, targets)`` batches, usually DataLoaders; a DataLoader whose sampler
     has ``set_epoch(epoch, start_batch)`` (as Slipstream's own) gives an order that
     depends on the seed and epoch alone and resumes mid-epoch exactly.
+
+    The run-level keywords are :class:`~slipstream.options.TrainerOptions` (kept
+    as ``self.options``): validated, then applied as the CLI applies them
+    (threads, determinism, seeds), with ``normalize="auto"`` and a ``config.yaml``
+    in the run directory. ``eval_interval=None`` means no evaluation and
+    ``checkpoint_interval=None`` no checkpoints.
 
     ``target_accuracy`` (a fraction in (0, 1]) records ``time_to_target_s`` in the
     summary; with ``stop_at_target`` the run ends there with status
@@ -91,34 +98,56 @@ class Trainer:
         log_interval: int = 20,
         checkpoint_interval: str | Duration | None = "1ep",
         checkpoint_keep: int = 2,
-        normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+        normalize: NormalizeOption = AUTO,
         progress_bar: bool = True,
         load_path: str | Path | None = None,
         overwrite: bool = False,
         config: dict[str, Any] | None = None,
         installed: dict[str, AlgorithmInfo] | None = None,
         verbose: bool = True,
+        threads: int | None = None,
+        deterministic: bool = False,
         on_nonfinite: str = "stop",
         target_accuracy: float | None = None,
         stop_at_target: bool = False,
         peak_tflops: float | dict[str, float] | None = None,
     ) -> None:
+        # One set-up for the Python API and the CLI (which passes the same options,
+        # built from its config): validate, then threads, determinism and seeds.
+        self.options = TrainerOptions(
+            max_duration=max_duration,
+            run_dir=run_dir,
+            seed=seed,
+            device=device,
+            eval_interval=eval_interval,
+            log_interval=log_interval,
+            checkpoint_interval=checkpoint_interval,
+            checkpoint_keep=checkpoint_keep,
+            normalize=normalize,
+            progress_bar=progress_bar,
+            load_path=load_path,
+            overwrite=overwrite,
+            threads=threads,
+            deterministic=deterministic,
+            verbose=verbose,
+            on_nonfinite=on_nonfinite,
+        ).validate()
         self.target_accuracy = check_target(target_accuracy, stop_at_target)
         peak = parse_peak_tflops(peak_tflops)
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
+        apply_process_settings(self.options, self.device)
         rank, world_size = init_distributed(self.device)
         self.max_duration = Duration.parse(max_duration)
-        if self.max_duration.unit == "dur":
-            raise ConfigError(
-                "max_duration cannot be in 'dur'; use ep, ba, sp or a wall-clock time"
-            )
         self.installed = installed
         chosen = self._as_algorithms(algorithms)
         self.algorithms = resolve_order(chosen, installed=self._known_names(chosen))
         self._distributions = {a.name: distribution_of(a, self.installed) for a in self.algorithms}
-        self.config = config or {}
         self.verbose = verbose and rank == 0
-        self.on_nonfinite = check_on_nonfinite(on_nonfinite)
+        normalize, note = resolve_normalize(normalize, train_data)
+        if note and self.verbose:
+            print(f"slipstream: {note}", file=sys.stderr)
+        self.config = config or self._describe_run(model, optimizer)
+        self.on_nonfinite = self.options.on_nonfinite
         self.load_path = Path(load_path) if load_path else None
         if self.load_path is not None and not self.load_path.exists():
             # Checked before anything is built or written, so the retry starts clean.
@@ -167,6 +196,17 @@ class Trainer:
         self._hooks = SimpleNamespace()
 
     # -- set-up ------------------------------------------------------------------
+
+    def _describe_run(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """config.yaml for a run set up in Python: what the CLI's config would say,
+        so that a checkpoint can tell what wrote it."""
+        group = optimizer.param_groups[0] if optimizer.param_groups else {}
+        return {
+            "model": {"name": type(unwrap_model(model)).__name__},
+            "optimizer": {"name": type(optimizer).__name__, "lr": float(group.get("lr", 0.0))},
+            "trainer": self.options.as_config(),
+            "algorithms": {a.name: config_as_dict(a) for a in self.algorithms},
+        }
 
     def _as_algorithms(self, items: Sequence[Algorithm | str]) -> list[Algorithm]:
         built: list[Algorithm] = []
@@ -450,6 +490,7 @@ class Trainer:
         return {
             "model": state.unwrapped_model.state_dict(),
             "optimizer": state.optimizer.state_dict(),
+            "optimizer_class": type(state.optimizer).__name__,
             "schedulers": [s.state_dict() for s in state.schedulers],
             "plugins": plugins,
             "timestamp": state.timestamp.state_dict(),
@@ -466,12 +507,20 @@ class Trainer:
             state.unwrapped_model.load_state_dict(payload["model"])
         except RuntimeError as exc:
             detail = " ".join(str(exc).split())[:400]
-            raise CheckpointError(f"checkpoint {path} does not fit this model: {detail}") from None
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model: {detail}. {self._written_by(payload)}"
+            ) from None
+        # torch loads another optimizer's state without a word and fails at the
+        # first step, so the class is compared first (older checkpoints lack it).
+        saved_class = payload.get("optimizer_class")
         try:
+            if saved_class not in (None, type(state.optimizer).__name__):
+                raise ValueError(f"it holds the state of {saved_class}")
             state.optimizer.load_state_dict(payload["optimizer"])
         except (ValueError, KeyError) as exc:
             raise CheckpointError(
-                f"checkpoint {path}: optimizer state does not fit: {exc}"
+                f"checkpoint {path}: optimizer state does not fit {type(state.optimizer).__name__} "
+                f"({exc}). {self._written_by(payload)}"
             ) from None
         for scheduler, saved in zip(state.schedulers, payload.get("schedulers", []), strict=False):
             scheduler.load_state_dict(saved)
@@ -493,6 +542,17 @@ class Trainer:
                 f"slipstream: resumed from {path} at epoch {ts.epoch}, batch {ts.batch}",
                 file=sys.stderr,
             )
+
+    def _written_by(self, payload: dict[str, Any]) -> str:
+        saved = payload.get("config") or {}
+        model = (saved.get("model") or {}).get("name", "unknown")
+        optimizer = (saved.get("optimizer") or {}).get("name", "unknown")
+        return (
+            f"It was written by a run of model {model!r} with optimizer {optimizer!r}; "
+            f"this run has {type(self.state.unwrapped_model).__name__} and "
+            f"{type(self.state.optimizer).__name__}. Resume with the same model and optimizer, "
+            "or start afresh without load_path"
+        )
 
     def _build_summary(self, state: State, status: str) -> dict[str, Any]:
         ts = state.timestamp

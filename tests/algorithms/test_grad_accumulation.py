@@ -188,7 +188,9 @@ def test_resume_mid_group_keeps_the_step_batches_and_averages_what_remains(tmp_p
     fit(tmp_path / "full", [accumulate(4), full], max_duration="2ep")
 
     first, backward = Recorder(stop_at=6), RecordingBackward()
-    stopped = fit(tmp_path / "resume", [accumulate(4), first], max_duration="2ep")
+    stopped = fit(
+        tmp_path / "resume", [accumulate(4), first], max_duration="2ep", checkpoint_interval="1ep"
+    )
     # Interrupted inside the group of batches 4..7: its gradients are dropped.
     assert stopped.summary["grad_accumulation_dropped_batches"] == 2
     assert all(p.grad is None for p in stopped.state.model.parameters())

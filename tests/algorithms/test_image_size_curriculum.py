@@ -37,7 +37,8 @@ def recording_probe() -> tuple[Probe, list[int], list[int]]:
 
 def test_sizes_grow_from_initial_to_full_before_the_end(tmp_path):
     probe, sizes, eval_sizes = recording_probe()
-    trainer = train(tmp_path, [curriculum(), probe], max_duration="10ba", log_interval=1, eval_interval=None)
+    # Evaluated once, at the end.
+    trainer = train(tmp_path, [curriculum(), probe], max_duration="10ba", log_interval=1, eval_interval="10ba")
     # Default linear schedule on 16 px data: half size for the first 40% of the run, a
     # ramp, full size for the last 20%.
     assert sizes == [8, 8, 8, 8, 8, 10, 12, 14, 16, 16]

@@ -247,7 +247,9 @@ def test_resume_gives_the_same_lr_sequence(tmp_path, interval):
 
     probe, first = lr_recorder()
     probe.callbacks["batch_end"] = stop_mid_epoch
-    trainer = fit(tmp_path / "resume", [algo(**options), probe], max_duration="4ep")
+    trainer = fit(
+        tmp_path / "resume", [algo(**options), probe], max_duration="4ep", checkpoint_interval="4ep"
+    )
     checkpoint = trainer.run_dir / "checkpoints" / "latest.pt"
     assert trainer.state.timestamp.batch == 6
 

@@ -22,7 +22,9 @@ try:  # deprecated since torchvision 0.29 (TorchCodec takes over); PIL when it i
 except ImportError:  # pragma: no cover - depends on the torchvision release
     decode_image = None
 
+from ..errors import describe, network_failure
 from .synthetic import SyntheticShapes
+from .unreadable import SkippingImageFolder
 
 DATASET_NAMES: tuple[str, ...] = ("synthetic", "cifar10", "cifar100", "imagefolder")
 
@@ -106,7 +108,17 @@ def _cifar(
     try:
         train = cls(str(root), train=True, download=download)
         val = cls(str(root), train=False, download=download)
-    except RuntimeError as err:  # torchvision's "not found or corrupted"
+    except Exception as err:
+        offline = network_failure(err)
+        if offline is not None:
+            raise DataError(
+                f"{name}: cannot download it into {root}: there is no network "
+                f"({describe(offline)}). Offline, copy the extracted {cls.base_folder}/ "
+                f"folder from a connected machine into {root} and set data.download=false"
+            ) from None
+        if not isinstance(err, RuntimeError):
+            raise
+        # torchvision's "not found or corrupted"
         raise DataError(
             f"{name} in {folder} is incomplete or corrupted ({err}). "
             f"Delete it and set data.download=true to fetch it again."
@@ -130,7 +142,7 @@ def _imagefolder(root: str | os.PathLike | None, image_size: int) -> tuple[Datas
         if not path.is_dir():
             raise DataError(f"imagefolder: {path} does not exist; expected {layout}")
         try:
-            splits[split] = datasets.ImageFolder(str(path), transform=tf, loader=read_rgb)
+            splits[split] = SkippingImageFolder(str(path), transform=tf, loader=read_rgb)
         except FileNotFoundError as err:  # no class folders or no images in them
             raise DataError(f"imagefolder: {err}; expected {layout}") from err
     train, val = splits["train"], splits["val"]

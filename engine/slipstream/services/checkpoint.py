@@ -1,8 +1,9 @@
 """Write checkpoints at an interval and at the end of the run.
 
 Files go to ``RUN_DIR/checkpoints/ep{E}-ba{B}.pt``; the newest is also
-``latest.pt``. Only rank 0 writes. A checkpoint whose weights are not all finite
-is never written, so ``latest.pt`` stays the last good one.
+``latest.pt``. Only rank 0 writes. Without an interval nothing is written. A
+checkpoint whose weights are not all finite is never written, so ``latest.pt``
+stays the last good one.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class Checkpointer:
 
     @hookimpl
     def fit_end(self, state: State) -> None:
-        if self._last_saved_batch != state.timestamp.batch:
+        # No interval means no checkpoints at all, not "only the last one".
+        if self.interval is not None and self._last_saved_batch != state.timestamp.batch:
             self.save(state)
 
     def save(self, state: State) -> Path | None:

@@ -1,4 +1,4 @@
-"""Top-1 evaluation at an interval and at the end of the run."""
+"""Top-1 evaluation at an interval and at the end of the run (none without an interval)."""
 
 from __future__ import annotations
 
@@ -61,12 +61,12 @@ class Evaluator:
     @hookimpl(tryfirst=True)
     def fit_end(self, state: State) -> None:
         # The final evaluation comes before every other fit_end, so plugins see
-        # the final metrics there. An interrupted run goes straight to its
-        # checkpoint (a scheduler's grace period is short); diverged weights are
-        # not worth evaluating.
+        # the final metrics there. No interval means no evaluation at all. An
+        # interrupted run goes straight to its checkpoint (a scheduler's grace period
+        # is short); diverged weights are not worth evaluating.
         if state.stop_status in ("interrupted", "diverged"):
             return
-        if self._last_eval_batch != state.timestamp.batch:
+        if self.interval is not None and self._last_eval_batch != state.timestamp.batch:
             self.evaluate(state)
 
     def evaluate(self, state: State) -> dict[str, float]:

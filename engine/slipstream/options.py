@@ -1,0 +1,262 @@
+"""One run set-up for the CLI and the Python API.
+
+:class:`TrainerOptions` holds every run-level setting the Trainer takes; the CLI
+builds it from ``cfg.trainer`` and the Trainer from its keywords, and both go through
+:meth:`TrainerOptions.validate` and :func:`apply_process_settings`, so a run set up
+either way seeds, sets threads, validates and normalises the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from .duration import Duration, DurationError
+from .errors import ConfigError
+
+# `normalize="auto"`: the statistics of a dataset Slipstream knows, else none.
+AUTO = "auto"
+# Integers handed to torch must fit its 64-bit ints; Python's would overflow inside
+# torch with a traceback.
+INT64 = (-(2**63), 2**63 - 1)
+
+NormalizeOption = Union[str, tuple[Sequence[float], Sequence[float]], None]
+
+
+@dataclass
+class TrainerOptions:
+    """Run-level settings of a :class:`~slipstream.Trainer` (the ``trainer`` section
+    of a config holds the same names).
+
+    ``eval_interval=None`` turns evaluation off entirely (no final evaluation
+    either); ``checkpoint_interval=None`` writes no checkpoint at all.
+    ``normalize="auto"`` uses the mean/std of a dataset Slipstream knows
+    (synthetic, CIFAR-10/100, ImageFolder), ``(mean, std)`` gives them, ``None``
+    leaves inputs as they come.
+    """
+
+    max_duration: str | Duration = "2ep"
+    run_dir: str | Path | None = None
+    seed: int = 0
+    device: str | torch.device | None = "auto"
+    eval_interval: str | Duration | None = "1ep"
+    log_interval: int = 20
+    checkpoint_interval: str | Duration | None = "1ep"
+    checkpoint_keep: int = 2
+    normalize: NormalizeOption = AUTO
+    progress_bar: bool = True
+    load_path: str | Path | None = None
+    overwrite: bool = False
+    threads: int | None = None
+    deterministic: bool = False
+    verbose: bool = True
+    on_nonfinite: str = "stop"  # stop | warn: what a NaN or infinite training loss does
+
+    @classmethod
+    def from_config(cls, trainer: Mapping[str, Any], **extra: Any) -> TrainerOptions:
+        """The options in a config's ``trainer`` section (keys it does not name keep
+        their defaults), with ``extra`` on top."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in trainer.items() if k in names}
+        return cls(**{**values, **extra})
+
+    def validate(self, prefix: str = "") -> TrainerOptions:
+        """Refuse what torch or the loop would fail on later, naming the option
+        (``prefix`` is ``"trainer."`` for a config) and what is allowed. Returns self."""
+        max_duration = _duration(self.max_duration, f"{prefix}max_duration")
+        if max_duration is None:
+            raise ConfigError(f"{prefix}max_duration is required, e.g. '10ep'")
+        if max_duration.unit == "dur":
+            raise ConfigError(
+                f"{prefix}max_duration: 'dur' is relative to the run itself; "
+                "use ep, ba, sp or a wall-clock time"
+            )
+        _duration(self.eval_interval, f"{prefix}eval_interval")
+        _duration(self.checkpoint_interval, f"{prefix}checkpoint_interval")
+        _integer(self.log_interval, f"{prefix}log_interval", 1, "a number of batches")
+        _integer(self.checkpoint_keep, f"{prefix}checkpoint_keep", -1, "-1 keeps all")
+        _integer(self.seed, f"{prefix}seed", INT64[0], "a 64-bit seed", high=INT64[1])
+        if self.threads is not None:
+            _integer(self.threads, f"{prefix}threads", 1, "null for torch's default")
+        check_device(self.device, f"{prefix}device")
+        _check_normalize(self.normalize, f"{prefix}normalize")
+        if self.on_nonfinite not in ("stop", "warn"):
+            raise ConfigError(
+                f"{prefix}on_nonfinite must be 'stop' or 'warn', got {self.on_nonfinite!r}"
+            )
+        if self.run_dir is not None:
+            check_output_dir(Path(self.run_dir), f"{prefix}run_dir")
+        return self
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """The options as keywords of :class:`~slipstream.Trainer`."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def as_config(self) -> dict[str, Any]:
+        """The options as a plain, YAML-safe ``trainer`` section."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (Duration, Path, torch.device)):
+                value = str(value)
+            elif isinstance(value, tuple):
+                value = [list(map(float, part)) for part in value]
+            out[f.name] = value
+        return out
+
+
+def _duration(value: Any, key: str) -> Duration | None:
+    if value is None:
+        return None
+    try:
+        duration = Duration.parse(value)
+    except DurationError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    if duration.value <= 0:
+        raise ConfigError(f"{key}: must be positive, got {value!r} (null turns it off)")
+    return duration
+
+
+def _integer(value: Any, key: str, low: int, allowed: str, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key} must be a whole number ({allowed}), got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"from {low} to {high}" if high is not None else f"at least {low}"
+        raise ConfigError(f"{key} must be {bound} ({allowed}), got {value}")
+
+
+def check_device(device: Any, key: str = "device") -> None:
+    """A device string torch accepts and this machine has."""
+    if device is None or device == "auto" or isinstance(device, torch.device):
+        parsed = device if isinstance(device, torch.device) else None
+    else:
+        allowed = "auto, cpu, cuda or cuda:N (N a GPU index)"
+        if not isinstance(device, str):
+            raise ConfigError(f"{key} must be a device name ({allowed}), got {device!r}")
+        try:
+            parsed = torch.device(device)
+        except RuntimeError:
+            raise ConfigError(f"{key}={device!r} is not a device; use {allowed}") from None
+    if parsed is None or parsed.type == "cpu":
+        return
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"{key}={str(device)!r} but CUDA is not available here; use 'cpu' or 'auto'"
+            )
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise ConfigError(
+                f"{key}={str(device)!r} but this machine has {count} GPU(s): "
+                f"use cuda:0 to cuda:{count - 1}"
+            )
+        return
+    if parsed.type == "mps" and torch.backends.mps.is_available():
+        return
+    raise ConfigError(
+        f"{key}={str(device)!r}: Slipstream runs on CPU or CUDA; use auto, cpu, cuda or cuda:N"
+    )
+
+
+def _check_normalize(value: Any, key: str) -> None:
+    if value is None or value == AUTO:
+        return
+    try:
+        mean, std = value
+        mean, std = [float(v) for v in mean], [float(v) for v in std]
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{key} must be 'auto', None or (mean, std) per channel, got {value!r}"
+        ) from None
+    if len(mean) != len(std) or not mean or min(std) <= 0:
+        raise ConfigError(
+            f"{key}: mean and std need one value per channel and a positive std, got {value!r}"
+        )
+
+
+def check_output_dir(path: Path, key: str) -> None:
+    """Refuse a directory that cannot be created, before any work is done: an
+    existing file in its place or above it, or an ancestor we may not write to."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}={path}: this is a file, not a directory; choose another path")
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(
+            f"{key}={path}: cannot create it under {ancestor}, which is a file; choose another path"
+        )
+    if ancestor != path and not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{key}={path}: cannot create it in {ancestor} (no write permission or a "
+            "read-only file system); choose another path"
+        )
+
+
+def dataset_stats(data: Any) -> tuple[Sequence[float], Sequence[float]] | None:
+    """Mean/std for ``normalize='auto'``: known for Slipstream's synthetic data,
+    torchvision's CIFAR-10/100 and ImageFolder datasets; None otherwise."""
+    from torchvision import datasets
+
+    from .data import DATASET_STATS, SyntheticShapes
+
+    dataset = getattr(data, "dataset", data)
+    # CIFAR100 subclasses CIFAR10, so it is checked first.
+    for cls, name in (
+        (SyntheticShapes, "synthetic"),
+        (datasets.CIFAR100, "cifar100"),
+        (datasets.CIFAR10, "cifar10"),
+        (datasets.DatasetFolder, "imagefolder"),
+    ):
+        if isinstance(dataset, cls):
+            return DATASET_STATS[name]
+    return None
+
+
+def resolve_normalize(
+    normalize: NormalizeOption, train_data: Any
+) -> tuple[tuple[Sequence[float], Sequence[float]] | None, str | None]:
+    """(mean, std) or None, and a note to print when ``auto`` found no statistics."""
+    if normalize != AUTO:
+        return normalize, None  # type: ignore[return-value]
+    stats = dataset_stats(train_data)
+    if stats is None:
+        kind = type(getattr(train_data, "dataset", train_data)).__name__
+        return None, (
+            f"inputs are not normalised: no known mean/std for a {kind}; "
+            "pass normalize=(mean, std), or normalize=None to say so"
+        )
+    return stats, None
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (every device) from one number."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def apply_process_settings(options: TrainerOptions, device: torch.device | None = None) -> None:
+    """Threads, determinism and seeds: process-wide settings a run makes.
+
+    Called by the CLI before it builds data and model (so their initialisation is
+    seeded) and again by the Trainer, which makes a Python API run start from the
+    same random state as a CLI run."""
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    if options.deterministic:
+        if device is not None and device.type == "cuda":
+            # cuBLAS is deterministic only with a fixed workspace; set it before the
+            # first cuBLAS call, unless the user chose one.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # Only switched on: turning it off here would undo a user's own global choice.
+        torch.use_deterministic_algorithms(True)
+    seed_everything(options.seed)

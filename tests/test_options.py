@@ -1,0 +1,141 @@
+"""One run set-up for the CLI and the Python API (TrainerOptions), and the README's
+Python example, run as written (with small sizes)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch.utils.data import DataLoader
+
+from helpers import Probe, tiny_loaders, tiny_model, train
+from slipstream import ConfigError, Trainer, to_unit_float
+from slipstream.config import build_config
+from slipstream.data import DATASET_STATS, SyntheticShapes
+from slipstream.options import TrainerOptions
+from slipstream.runner import build_trainer
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def test_log_interval_zero_is_a_clear_error(tmp_path):
+    model = tiny_model()
+    with pytest.raises(ConfigError, match="log_interval must be at least 1"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loaders()[0],
+                run_dir=tmp_path / "run", device="cpu", log_interval=0)
+    assert not (tmp_path / "run").exists()
+
+
+def test_checkpoint_interval_none_writes_no_checkpoint(tmp_path):
+    off = train(tmp_path / "off", [], max_duration="1ep", checkpoint_interval=None)
+    assert not (off.run_dir / "checkpoints").exists()
+    on = train(tmp_path / "on", [], max_duration="1ep")
+    assert (on.run_dir / "checkpoints" / "latest.pt").exists()
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_eval_interval_none_means_no_evaluation_at_all(tmp_path):
+    off = train(tmp_path / "off", [], max_duration="1ep", eval_interval=None)
+    assert not [r for r in _records(off.run_dir) if r["kind"] == "eval"]
+    assert off.summary["accuracy"] is None
+    on = train(tmp_path / "on", [], max_duration="1ep")
+    assert [r["kind"] for r in _records(on.run_dir)].count("eval") == 1
+    # The CLI says it the same way.
+    cfg = build_config(None, None, ["trainer.eval_interval=null", "trainer.checkpoint_interval=null"])
+    options = TrainerOptions.from_config(cfg.trainer)
+    assert options.eval_interval is None and options.checkpoint_interval is None
+
+
+def test_the_trainer_seeds_as_the_cli_does(tmp_path):
+    runs = iter(range(100))
+
+    def first_draw(seed: int, disturb: int) -> torch.Tensor:
+        torch.manual_seed(disturb)  # whatever the process did before
+        drawn = []
+        probe = Probe(fit_start=lambda state: drawn.append(torch.rand(3)))
+        train(tmp_path / str(next(runs)), [probe], max_duration="1ba", seed=seed)
+        return drawn[0]
+
+    assert torch.equal(first_draw(3, 0), first_draw(3, 99))
+    assert not torch.equal(first_draw(3, 0), first_draw(4, 0))
+
+
+def test_the_trainer_sets_threads(tmp_path):
+    torch.set_num_threads(2)
+    train(tmp_path / "one", [], max_duration="1ba", threads=1)
+    assert torch.get_num_threads() == 1
+    train(tmp_path / "default", [], max_duration="1ba")  # None leaves them alone
+    assert torch.get_num_threads() == 1
+
+
+def test_normalize_auto_uses_the_dataset_statistics(tmp_path, capsys):
+    def first_inputs(loader, **kwargs) -> torch.Tensor:
+        seen = []
+        probe = Probe(before_forward=lambda state: seen.append(state.batch[0].clone()))
+        model = tiny_model(num_classes=10)
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                max_duration="1ba", algorithms=[probe], run_dir=tmp_path / f"r{len(list(tmp_path.iterdir()))}",
+                device="cpu", progress_bar=False, eval_interval=None, **kwargs).fit()
+        return seen[0]
+
+    shapes = DataLoader(SyntheticShapes(32, image_size=16), batch_size=16)
+    raw = to_unit_float(next(iter(shapes))[0])  # the dataset's uint8 as float in [0, 1]
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in DATASET_STATS["synthetic"])
+    torch.testing.assert_close(first_inputs(shapes), (raw - mean) / std)
+    torch.testing.assert_close(first_inputs(shapes, normalize=None), raw)
+    # A dataset it does not know: left as it is, and said so.
+    unknown = tiny_loaders()[0]
+    torch.testing.assert_close(first_inputs(unknown), next(iter(unknown))[0])
+    assert "inputs are not normalised: no known mean/std for a TensorDataset" in capsys.readouterr().err
+
+
+def test_a_python_run_writes_config_yaml(tmp_path):
+    trainer = train(tmp_path, [], max_duration="1ba", seed=5)
+    config = yaml.safe_load((trainer.run_dir / "config.yaml").read_text())
+    assert config["model"]["name"] == "ResNet" and config["optimizer"]["name"] == "SGD"
+    assert config["trainer"]["seed"] == 5 and config["trainer"]["max_duration"] == "1ba"
+
+
+def test_the_cli_builds_the_same_options(tmp_path):
+    cfg = build_config(None, None, [
+        "model.name=test_resnet", "data.train_size=32", "data.val_size=16", "data.image_size=16",
+        "trainer.seed=11", "trainer.threads=1", "trainer.log_interval=3", "trainer.eval_interval=null",
+        f"trainer.run_dir={tmp_path / 'run'}",
+    ])
+    options = build_trainer(cfg, verbose=False).options
+    assert (options.seed, options.threads, options.log_interval, options.eval_interval) == (11, 1, 3, None)
+    assert options.normalize == DATASET_STATS["synthetic"]
+
+
+def _readme_python_example() -> str:
+    text = README.read_text()
+    section = text[text.index("## Python API"):]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "README's Python API section has no python code block"
+    return match.group(1)
+
+
+def test_the_readme_python_example_runs(tmp_path, monkeypatch):
+    code = _readme_python_example()
+    # Small sizes, so that the example runs in seconds; each must be in the text.
+    for old, new in {
+        '"resnet18"': '"test_resnet"',
+        "SyntheticShapes(512, image_size=32": "SyntheticShapes(64, image_size=16",
+        "SyntheticShapes(256, image_size=32": "SyntheticShapes(32, image_size=16",
+        "threads=2": "threads=1",
+    }.items():
+        assert old in code, old
+        code = code.replace(old, new)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["summary"]["status"] == "completed"
+    assert namespace["summary"]["accuracy"] is not None
+    assert (tmp_path / "runs" / "mine" / "config.yaml").exists()
