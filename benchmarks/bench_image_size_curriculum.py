@@ -104,7 +104,6 @@ def compare_runs(
                 verbose=False,
                 log_interval=10**9,
             )
-            trainer.checkpointer.write = False
             summary = trainer.fit()
         summary["train_s"] = summary["wall_time_s"] - summary.get("eval_time_s", 0.0)
         runs[name] = summary

@@ -76,7 +76,6 @@ def with_trainer(data: DataLoader, warmup: int, progress_bar: bool) -> float:
             progress_bar=progress_bar,
             verbose=False,
         )
-        trainer.checkpointer.write = False  # the end-of-run checkpoint is outside the steps anyway
         if progress_bar:
             trainer.pm.get_plugin("engine.progress").file = sink
         trainer.fit()

@@ -80,7 +80,6 @@ def main() -> None:
                 progress_bar=False,
                 verbose=False,
             )
-            trainer.checkpointer.write = False
             summary = trainer.fit()
         last_train_loss = trainer.state.stash["engine.metrics"]["train"]["loss"]
         outcome[name] = (summary["accuracy"], last_train_loss)

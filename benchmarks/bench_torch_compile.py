@@ -140,7 +140,6 @@ def curriculum(args: Any) -> None:
                 progress_bar=False,
                 verbose=False,
             )
-            trainer.checkpointer.write = False
             summary = trainer.fit()
         stats = compiler.stats if compiler else {"compiles": 0}
         last = 1000 * statistics.median(step_times.times[-4:])

@@ -155,7 +155,6 @@ def run_variant(
             verbose=False,
             log_interval=10**9,
         )
-        trainer.checkpointer.write = False
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         if measure_memory and device != "cuda":

@@ -214,6 +214,7 @@ class ImageSizeCurriculum(Algorithm):
                 f"model's patch size {patch[0]}; use 0 (automatic) or a multiple of it"
             )
         self.multiple = (chosen, chosen) if chosen else (patch or (1, 1))
+        state.varying_input_size = True
 
     @hookimpl
     def batch_start(self, state: State) -> None:

@@ -26,7 +26,6 @@ from torch import nn
 from slipstream import Algorithm, ConfigError, State, hookimpl
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-CURRICULUM = "image_size_curriculum"
 
 
 @dataclass
@@ -36,7 +35,8 @@ class TorchCompileConfig:
     fullgraph: bool = False  # True: a graph break is an error instead of a slow fallback
     dynamic: Optional[bool] = None  # None: torch's automatic dynamic shapes
     # Compile the height and width of training inputs as dynamic from the first step.
-    # None: only when image_size_curriculum is in the run.
+    # None: only when a plugin varies the input size (state.varying_input_size, which
+    # image_size_curriculum sets).
     dynamic_image_size: Optional[bool] = None
 
     def __post_init__(self) -> None:
@@ -172,19 +172,27 @@ class TorchCompile(Algorithm):
                 "algorithms.torch_compile.backend=aot_eager",
                 stacklevel=1,
             )
-        has_curriculum = any(a.name == CURRICULUM for a in state.algorithms)
-        wanted = has_curriculum if cfg.dynamic_image_size is None else cfg.dynamic_image_size
-        # dynamic=False means "always specialise": marking would contradict it.
-        self.mark_sizes = wanted and cfg.dynamic is not False
-        if has_curriculum and cfg.dynamic is False:
-            limit = getattr(torch._dynamo.config, "recompile_limit", None)
-            warnings.warn(
-                f"torch_compile: dynamic=false with {CURRICULUM}: every new image size compiles "
-                f"again, and after {limit} sizes torch gives up and runs the model uncompiled",
-                stacklevel=1,
-            )
         self._frames0, self._breaks0 = _compiles(), _graph_breaks()
         state.model = compile_model(state.model, cfg.mode, cfg.backend, cfg.fullgraph, cfg.dynamic)
+
+    @hookimpl
+    def fit_start(self, state: State) -> None:
+        # Decided here, after every plugin's init: a plugin that varies the input size
+        # says so at init (state.varying_input_size), in whatever order it runs. The
+        # model compiles at its first forward, so nothing is lost by waiting.
+        cfg = self.config
+        varying = state.varying_input_size
+        wanted = varying if cfg.dynamic_image_size is None else cfg.dynamic_image_size
+        # dynamic=False means "always specialise": marking would contradict it.
+        self.mark_sizes = wanted and cfg.dynamic is not False
+        if varying and cfg.dynamic is False:
+            limit = getattr(torch._dynamo.config, "recompile_limit", None)
+            warnings.warn(
+                "torch_compile: dynamic=false while a plugin varies the image size: every new "
+                f"size compiles again, and after {limit} sizes torch gives up and runs the model "
+                "uncompiled",
+                stacklevel=1,
+            )
 
     @hookimpl(tryfirst=True)
     def batch_start(self, state: State) -> None:

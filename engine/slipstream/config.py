@@ -189,7 +189,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             reason = " ".join(str(exc).split())
             raise ConfigError(
                 f"cannot parse override {item!r}: {reason}. Values are YAML: quote the whole "
-                "override in the shell, e.g. 'algorithms.gpu_augmentation.crop_scale=[0.8, 1.0]'"
+                "override in the shell, e.g. 'optimizer.betas=[0.9, 0.99]'"
             ) from None
     return OmegaConf.to_container(merged)  # type: ignore[return-value]
 

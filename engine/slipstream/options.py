@@ -90,7 +90,7 @@ class TrainerOptions:
         _check_normalize(self.normalize, f"{prefix}normalize")
         if self.on_nonfinite not in ("stop", "warn"):
             raise ConfigError(
-                f"{prefix}on_nonfinite must be 'stop' or 'warn', got {self.on_nonfinite!r}"
+                f"{prefix}on_nonfinite must be one of stop, warn, got {self.on_nonfinite!r}"
             )
         if self.run_dir is not None:
             check_output_dir(Path(self.run_dir), f"{prefix}run_dir")

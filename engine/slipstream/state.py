@@ -85,6 +85,10 @@ class State:
     # (channels_last does, at init); the engine converts the batch to it once,
     # when it normalises the inputs after batch_start.
     input_memory_format: torch.memory_format = torch.contiguous_format
+    # Set at init by a plugin that changes the training inputs' height and width
+    # during the run (image_size_curriculum does), so that plugins specialising on
+    # shapes (torch_compile) prepare for it without naming that plugin.
+    varying_input_size: bool = False
 
     # The algorithms of this run, in their resolved order.
     algorithms: list[Any] = field(default_factory=list)

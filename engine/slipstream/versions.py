@@ -1,4 +1,6 @@
-"""Library versions recorded in every summary and checkpoint."""
+"""Library versions recorded in every summary and checkpoint: the engine's own
+dependencies. A plugin's dependencies are its own business; its distribution and
+version are recorded with the algorithm."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ _LIBRARIES = (
     "timm",
     "pluggy",
     "omegaconf",
-    "kornia",
     "numpy",
 )
 

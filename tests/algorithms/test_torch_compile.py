@@ -119,12 +119,17 @@ def test_not_compiled_when_off(tmp_path):
 
 
 class Curriculum(Probe):
-    """Stands in for the image-size curriculum: 16 px, then 24 px from batch 2."""
+    """A third-party image-size curriculum: 16 px, then 24 px from batch 2. It says
+    so through ``state.varying_input_size``; torch_compile does not know its name."""
 
-    name = "image_size_curriculum"
+    name = "my_curriculum"
 
     def __init__(self) -> None:
         super().__init__(batch_start=self._resize)
+
+    @hookimpl
+    def init(self, state) -> None:
+        state.varying_input_size = True
 
     def _resize(self, state) -> None:
         if state.timestamp.batch >= 2:
@@ -144,7 +149,8 @@ def test_curriculum_compiles_sizes_dynamically_once(tmp_path, dynamic_image_size
         trainer = fit(tmp_path, algos, max_duration="4ba")
     recompile_warnings = [w for w in caught if "compiled again in batch 3 of the run" in str(w.message)]
     assert len(recompile_warnings) == compiles - 1  # says why and what to do, once
-    assert [a.name for a in trainer.algorithms][:2] == ["image_size_curriculum", "torch_compile"]
+    # Registered after torch_compile, whose init runs first: the decision waits for fit_start.
+    assert [a.name for a in trainer.algorithms][:2] == ["torch_compile", "my_curriculum"]
     assert record.sizes == [16, 16, 24, 24]
     assert trainer.summary["compile"]["compiles"] == compiles
     assert trainer.summary["compile"]["dynamic_image_size"] is (dynamic_image_size is None)
