@@ -238,6 +238,28 @@ def test_a_run_writes_the_cache_in_xdg_cache_home(tmp_path, monkeypatch, counted
     assert len(counted_probe) == 2
 
 
+def test_a_peak_cached_on_a_busy_machine_is_raised_by_the_run_that_beats_it(
+    tmp_path, monkeypatch, counted_probe
+) -> None:
+    # A probe cached while the machine was busy (here: 1 kFLOP/s) would make every later
+    # run report an MFU far above 1. The first run that beats it probes again and
+    # raises the cache, so its own summary and every later run are right.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    cpu = torch.device("cpu")
+    path = pf.cache_path()
+    key = pf.machine_key(cpu, threads=torch.get_num_threads())
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({key: {"flops": {"fp32": 1e3, "bf16": 1e3}}}))
+    with pytest.warns(UserWarning, match="measured on a busy machine"):
+        summary = train(tmp_path / "a", model=conv_net()).summary
+    assert summary["peak_source"] == "cache, raised"
+    assert 0 < summary["mfu"] <= 1
+    assert counted_probe == ["fp32", "bf16"]
+    assert json.loads(path.read_text())[key]["flops"]["fp32"] == 1e11
+    again = train(tmp_path / "b", model=conv_net()).summary  # no warning, no probe
+    assert again["peak_source"] == "cache" and counted_probe == ["fp32", "bf16"]
+
+
 def test_the_real_probe_measures_a_plausible_rate() -> None:
     started = torch.get_rng_state()
     rate = pf.measure_matmul_flops(torch.device("cpu"), torch.float32, seconds=0.05)

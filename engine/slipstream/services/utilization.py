@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..flops import training_flops_per_sample
 from ..hookspecs import hookimpl
 from ..memory import PeakMemory
-from ..peak_flops import Peak, dtype_name, peak_flops
+from ..peak_flops import Peak, dtype_name, peak_flops, raise_peak
 from ..state import State
 
 
@@ -117,8 +117,23 @@ class Utilization:
         session's), the peak used and its source, FLOPs per sample per input shape
         and the peak memory."""
         peak_mb = self.memory.peak_mb() if self.memory is not None else None
+        mfu = self.mfu(state, self.flops, train_s)
+        if mfu is not None and mfu > 1 and self.peak is not None and self.peak.source != "config":
+            # Impossible: the cached or probed peak was measured on a busy machine.
+            dtype = dtype_name(state.compute_dtype)
+            achieved = self.flops / train_s
+            warnings.warn(
+                f"slipstream: this run did {achieved / 1e9:.1f} GFLOP/s in {dtype}, more than the "
+                f"peak of {self.peak.flops[dtype] / 1e9:.1f} GFLOP/s ({self.peak.source}), which "
+                "was measured on a busy machine; probing again and raising the cached peak",
+                stacklevel=2,
+            )
+            self.peak = raise_peak(
+                state.device, self.peak, dtype, achieved, threads=torch.get_num_threads()
+            )
+            mfu = self.mfu(state, self.flops, train_s)
         return {
-            "mfu": self.mfu(state, self.flops, train_s),
+            "mfu": mfu,
             "compute_dtype": dtype_name(state.compute_dtype),
             "peak_tflops": self.peak.tflops() if self.peak is not None else None,
             "peak_source": self.peak.source if self.peak is not None else None,
