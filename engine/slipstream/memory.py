@@ -10,6 +10,8 @@ which is exact for the first run in a process and a lower bound after it.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import sys
 
 import torch
@@ -30,6 +32,10 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
+        # Free what earlier work left for the collector and the allocator first: were it
+        # freed during the run instead, the run's own growth would hide under it.
+        gc.collect()
+        _trim_malloc()
         _reset_high_water_mark()
         self._start_bytes = _resident_bytes()
 
@@ -63,6 +69,13 @@ def _resident_bytes() -> int | None:
 def _high_water_bytes() -> int | None:
     kib = _status_kib("VmHWM")
     return kib * 1024 if kib is not None else _max_rss_bytes()
+
+
+def _trim_malloc() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc: give freed heap pages back
+    except (OSError, AttributeError):
+        pass  # another C library: nothing to do
 
 
 def _reset_high_water_mark() -> None:
