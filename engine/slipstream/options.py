@@ -21,6 +21,7 @@ import torch
 
 from .duration import Duration, DurationError
 from .errors import ConfigError
+from .services.divergence import check_on_nonfinite
 
 # `normalize="auto"`: the statistics of a dataset Slipstream knows, else none.
 AUTO = "auto"
@@ -88,10 +89,7 @@ class TrainerOptions:
             _integer(self.threads, f"{prefix}threads", 1, "null for torch's default")
         check_device(self.device, f"{prefix}device")
         _check_normalize(self.normalize, f"{prefix}normalize")
-        if self.on_nonfinite not in ("stop", "warn"):
-            raise ConfigError(
-                f"{prefix}on_nonfinite must be one of stop, warn, got {self.on_nonfinite!r}"
-            )
+        check_on_nonfinite(self.on_nonfinite)
         if self.run_dir is not None:
             check_output_dir(Path(self.run_dir), f"{prefix}run_dir")
         return self
