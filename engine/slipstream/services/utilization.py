@@ -65,7 +65,8 @@ class Utilization:
     @hookimpl
     def fit_start(self, state: State) -> None:
         assert self.memory is not None
-        self.memory.start()
+        with state.untimed():  # its garbage collection is bookkeeping, not training
+            self.memory.start()
 
     @hookimpl
     def before_forward(self, state: State) -> None:
