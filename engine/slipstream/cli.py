@@ -182,7 +182,9 @@ def _show_warning(default: Any) -> Any:
         if not ours:
             default(message, category, filename, *args, **kwargs)
         elif _rank() == 0:
-            print(f"slipstream: warning: {message}", file=sys.stderr)
+            # Warnings meant for the Python API name themselves; one prefix is enough here.
+            text = str(message).removeprefix("slipstream: ")
+            print(f"slipstream: warning: {text}", file=sys.stderr)
 
     return show
 
