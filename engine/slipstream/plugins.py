@@ -282,6 +282,13 @@ def config_as_dict(algo: Algorithm) -> dict[str, Any]:
     return dict(cfg) if isinstance(cfg, dict) else {"value": repr(cfg)}
 
 
+def algorithm_record(algo: Algorithm, distribution: tuple[str, str]) -> dict[str, Any]:
+    """How checkpoints and summary.json name an algorithm of the run:
+    name, version, distribution and config (``distribution`` from :func:`distribution_of`)."""
+    dist, version = distribution
+    return {"name": algo.name, "version": version, "distribution": dist, "config": config_as_dict(algo)}
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
