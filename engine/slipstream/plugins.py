@@ -144,6 +144,8 @@ def build_config(cls: type[Algorithm], options: dict[str, Any] | None) -> Any:
         field_type = getattr(fields.get(str(key)), "type", None)
         allowed = f"; expected {_type_name(field_type)}" if field_type is not None else ""
         raise ConfigError(f"algorithms.{name}.{key}: {_first_line(exc)}{allowed}") from None
+    except ConfigError:  # already names the algorithm and key (parse_duration_option)
+        raise
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"algorithms.{name}: {exc}") from None
 
