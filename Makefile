@@ -5,6 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 PLUGINS := $(sort $(wildcard algorithms/*/pyproject.toml))
 STAMP := $(VENV)/.installed
+# `make test` runs the suite on this many pytest-xdist workers, a test file per
+# worker (module fixtures run once); `make test TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup train test lint bench clean
 
@@ -20,7 +23,7 @@ train: $(STAMP)
 	$(BIN)/slipstream train $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -70,11 +70,17 @@ def _free_port() -> int:
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *args],
-        capture_output=True, text=True, timeout=300,
-    )
+    # A free port may be taken again before torchrun listens on it (by a test on
+    # another pytest-xdist worker): then try another port.
+    for _ in range(3):
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+             "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *args],
+            capture_output=True, text=True, timeout=300,
+        )
+        if result.returncode == 0 or "EADDRINUSE" not in result.stderr:
+            return result
+    return result
 
 
 def test_two_processes_train_one_run(tmp_path):

@@ -3,6 +3,7 @@ entry point, as a user's own plugin would be."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,9 @@ EXAMPLE = ROOT / "examples" / "step_timer"
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     target = tmp_path_factory.mktemp("site")
+    # Built from a copy: pip builds a local folder in place, and the repository's
+    # folder is shared with every other test process.
+    source = shutil.copytree(EXAMPLE, tmp_path_factory.mktemp("source") / EXAMPLE.name)
     subprocess.run(
         [
             sys.executable,
@@ -28,7 +32,7 @@ def installed(tmp_path_factory):
             "--no-index",
             "--target",
             str(target),
-            str(EXAMPLE),
+            str(source),
         ],
         check=True,
         capture_output=True,
