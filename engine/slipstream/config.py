@@ -100,7 +100,6 @@ SECTIONS = {
     "optimizer": OptimizerConfig,
     "trainer": TrainerConfig,
 }
-FREE_FORM = ("model.kwargs",)  # dictionaries whose keys are not ours to check
 
 
 def load_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:

@@ -113,7 +113,3 @@ def _model_error(
     if isinstance(exc, (TypeError, ValueError, AssertionError, RuntimeError, KeyError)):
         return ConfigError(f"model {name} cannot be built with {given}: {describe(exc)}")
     raise exc
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

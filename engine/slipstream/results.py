@@ -33,7 +33,6 @@ __all__ = [
 # The run-directory contract owns the names; these aliases keep older imports working.
 METRICS_FILE = rundir.METRICS
 SUMMARY_FILE = rundir.SUMMARY
-CONFIG_FILE = rundir.CONFIG
 
 
 class ResultsError(ValueError):

@@ -34,7 +34,6 @@ class Checkpointer:
         guard: Callable[[State], bool] | None = None,
     ) -> None:
         self.paths = RunDir(Path(run_dir))
-        self.folder = self.paths.checkpoints
         self.build_payload = build_payload
         # Asked before each save (the divergence check); False means do not save.
         self.guard = guard

@@ -70,10 +70,6 @@ class MetricsLogger:
         self._time_at_last = 0.0
         self._eval_started: float | None = None
 
-    @property
-    def last(self) -> dict[str, dict[str, Any]]:
-        return self._last
-
     @hookimpl
     def fit_start(self, state: State) -> None:
         self._last: dict[str, dict[str, Any]] = {}
