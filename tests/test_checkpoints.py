@@ -177,3 +177,33 @@ def test_wall_clock_budget_ends_cleanly_and_dur_is_the_fraction_of_the_budget(tm
     assert summary["status"] == "completed"
     assert 1.0 <= trainer.state.timestamp.elapsed_s < 3.0
     assert fractions == sorted(fractions) and fractions[-1] == 1.0 and fractions[0] < 0.5
+
+
+def test_a_resumed_runs_throughput_counts_its_own_session(tmp_path, monkeypatch):
+    # A fake clock: batches take 1 s before the resume and 2 s after it. The summary's
+    # samples/s is the resumed session's own (3 batches x 16 samples in 6 s), not a
+    # mix with the first session's samples or seconds (State.session_samples and
+    # State.session_elapsed_s).
+    from types import SimpleNamespace
+
+    from slipstream import state as state_module
+
+    now = [0.0]
+    monkeypatch.setattr(state_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def every_batch_takes(seconds):
+        return Probe(batch_start=lambda state: now.__setitem__(0, now[0] + seconds))
+
+    first = train(
+        tmp_path, [every_batch_takes(1.0)], max_duration="3ba", eval_interval=None, checkpoint_interval="3ba"
+    )
+    assert first.summary["samples_per_s"] == pytest.approx(16.0)
+    resumed = train(
+        tmp_path,
+        [every_batch_takes(2.0)],
+        max_duration="6ba",
+        eval_interval=None,
+        load_path=first.run_dir / "checkpoints" / "latest.pt",
+    )
+    assert resumed.summary["wall_time_s"] == pytest.approx(9.0)  # the run's clock goes on
+    assert resumed.summary["samples_per_s"] == pytest.approx(8.0)
