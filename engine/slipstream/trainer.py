@@ -1,7 +1,11 @@
 """`Trainer`: a plain training loop that fires hooks.
 
 Everything a technique changes happens in a plugin; the loop only moves batches,
-calls the step hooks and advances time.
+calls the step hooks and advances time. The rest of a run lives beside it: what a
+checkpoint holds and how a run resumes in :mod:`slipstream.checkpoint`, the summary
+in :mod:`slipstream.services.summary`, the run directory's policy in
+:mod:`slipstream.rundir`, signals in :mod:`slipstream.interrupts`, and every
+"every N" in :mod:`slipstream.interval`.
 """
 
 from __future__ import annotations
