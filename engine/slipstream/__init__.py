@@ -9,19 +9,51 @@ The public API, which plugins may import:
 - :class:`Duration` parses ``10ep``, ``0.3dur``, ``15m`` ...
 - :func:`to_unit_float` turns a ``uint8`` or float image batch into float in [0, 1],
   for plugins that transform pixels at ``batch_start``.
+- :func:`batch_seed` gives a seed per batch (and per consumer), for plugins whose
+  randomness must resume mid-epoch exactly.
+
+Names are imported on first use (PEP 562): ``import slipstream`` and the CLI's
+listing commands do not pay for torch until a name that needs it is asked for.
 """
 
-from .algorithm import Algorithm
-from .checkpoint import load_checkpoint
-from .duration import Duration, DurationError
-from .errors import CheckpointError, ConfigError, PluginError, SlipstreamError
-from .hookspecs import hookimpl
-from .images import to_unit_float
-from .options import TrainerOptions
-from .state import State, Timestamp, unwrap_model
-from .trainer import Trainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .algorithm import Algorithm
+    from .checkpoint import load_checkpoint
+    from .duration import Duration, DurationError
+    from .errors import CheckpointError, ConfigError, PluginError, SlipstreamError
+    from .hookspecs import hookimpl
+    from .images import to_unit_float
+    from .options import TrainerOptions
+    from .seeding import batch_seed
+    from .state import State, Timestamp, unwrap_model
+    from .trainer import Trainer
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "Algorithm": "algorithm",
+    "CheckpointError": "errors",
+    "ConfigError": "errors",
+    "Duration": "duration",
+    "DurationError": "duration",
+    "PluginError": "errors",
+    "SlipstreamError": "errors",
+    "State": "state",
+    "Timestamp": "state",
+    "Trainer": "trainer",
+    "TrainerOptions": "options",
+    "batch_seed": "seeding",
+    "hookimpl": "hookspecs",
+    "load_checkpoint": "checkpoint",
+    "to_unit_float": "images",
+    "unwrap_model": "state",
+}
 
 __all__ = [
     "Algorithm",
@@ -35,8 +67,23 @@ __all__ = [
     "Timestamp",
     "Trainer",
     "TrainerOptions",
+    "batch_seed",
     "hookimpl",
     "load_checkpoint",
     "to_unit_float",
     "unwrap_model",
 ]
+assert sorted(__all__) == sorted(_EXPORTS)  # one list for readers and linters, one for imports
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'slipstream' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # once: later look-ups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

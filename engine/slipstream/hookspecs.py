@@ -277,7 +277,8 @@ def eval_batch_end(state: State) -> None:
 
 @hookspec
 def eval_end(state: State) -> None:
-    """Evaluation is done: ``state.eval_metrics`` holds ``loss`` and ``accuracy``.
+    """Evaluation is done: ``state.eval_metrics`` holds ``loss`` and ``accuracy``
+    (and ``accuracy_top5`` when the model has at least 5 classes).
     The model is still in eval mode (restore swapped weights here)."""
 
 
