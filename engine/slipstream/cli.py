@@ -3,6 +3,8 @@
 slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [key=value ...]
 slipstream algorithms [--json] [--check]
 slipstream recipes [--json]
+slipstream sweep --recipe R --trials N [--sweep-dir D] [--metric accuracy] [--direction maximize]
+                 key=loguniform(a,b) key=uniform(a,b) key=int(a,b) key=choice(x,y) [key=value ...]
 slipstream plot RUN_DIR [RUN_DIR ...] [-o runs.png]
 slipstream compare RUN_DIR [RUN_DIR ...] [--target 0.6] [--json]
 """
@@ -81,6 +83,34 @@ def _parser() -> argparse.ArgumentParser:
         help="import every plugin and report the ones that fail to load (slower)",
     )
 
+    sweep = sub.add_parser(
+        "sweep",
+        help="hyper-parameter search over a recipe (optuna: seeded TPE, median pruning)",
+        description="Search hyper-parameters with optuna. Each trial is a run in SWEEP_DIR/trial-NNN; "
+        "the study lives in SWEEP_DIR/study.db, so running the same command again continues it. "
+        "Writes SWEEP_DIR/trials.csv and SWEEP_DIR/best.yaml (train it with --recipe).",
+    )
+    sweep.add_argument("--recipe", "-r", default=None, help="a bundled recipe name or a YAML path (default: 'default')")
+    sweep.add_argument("--trials", "-n", type=int, required=True, help="finished trials the sweep should hold")
+    sweep.add_argument("--sweep-dir", "-d", default=None, help="default: runs/sweep-<recipe>-<date>-<time>")
+    sweep.add_argument("--metric", default="accuracy", help="eval metric: accuracy, accuracy_top5 or loss")
+    sweep.add_argument(
+        "--direction", default=None, choices=("maximize", "minimize"), help="default: the metric's own"
+    )
+    sweep.add_argument(
+        "--pruner-startup-trials",
+        type=int,
+        default=2,
+        metavar="N",
+        help="finished trials before the median pruner prunes (default 2)",
+    )
+    sweep.add_argument(
+        "space",
+        nargs="*",
+        metavar="key=FORM",
+        help="key=loguniform(a,b), key=uniform(a,b), key=int(a,b), key=choice(x,y,...), or a fixed key=value",
+    )
+
     recipes = sub.add_parser("recipes", help="list bundled recipes")
     recipes.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -114,10 +144,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Options and key=value overrides may come in any order: argparse gives the
     # overrides after the first option back as extras, which join the others in order.
     args, extras = parser.parse_known_args(argv)
-    unknown = [e for e in extras if args.command != "train" or e.startswith("-") or "=" not in e]
+    takes_pairs = args.command in ("train", "sweep")
+    unknown = [e for e in extras if not takes_pairs or e.startswith("-") or "=" not in e]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if extras:
+    if extras and args.command == "sweep":
+        args.space = [*args.space, *extras]
+    elif extras:
         args.overrides = [*args.overrides, *extras]
     if args.command is None:
         parser.print_help()
@@ -287,6 +320,31 @@ def print_plugin_listing(group: str, kind: str, *, check: bool, as_json: bool) -
     return 0
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
+    from .recipes import DEFAULT_RECIPE
+    from .rundir import new_run_dir
+
+    try:
+        from .sweep import run_sweep
+    except ImportError as exc:
+        raise ConfigError(
+            f"slipstream sweep needs optuna ({exc}); install it with: pip install 'slipstream[sweep]'"
+        ) from None
+    recipe = args.recipe or DEFAULT_RECIPE
+    sweep_dir = args.sweep_dir or new_run_dir(f"sweep-{Path(recipe).stem}")
+    run_sweep(
+        recipe,
+        args.trials,
+        sweep_dir,
+        args.space,
+        metric=args.metric,
+        direction=args.direction,
+        pruner_startup_trials=args.pruner_startup_trials,
+    )
+    return 0
+
+
 def _recipes(args: argparse.Namespace) -> int:
     from .recipes import bundled, description
 
@@ -332,6 +390,7 @@ _COMMANDS = {
     "train": _train,
     "algorithms": _algorithms,
     "recipes": _recipes,
+    "sweep": _sweep,
     "plot": _plot,
     "compare": _compare,
 }
