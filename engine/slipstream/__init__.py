@@ -9,8 +9,11 @@ The public API, which plugins may import:
 - :class:`Duration` parses ``10ep``, ``0.3dur``, ``15m`` ...
 - :func:`to_unit_float` turns a ``uint8`` or float image batch into float in [0, 1],
   for plugins that transform pixels at ``batch_start``.
-- :func:`batch_seed` gives a seed per batch (and per consumer), for plugins whose
-  randomness must resume mid-epoch exactly.
+- :func:`batch_seed` / :func:`batch_generator`: the random stream of one training
+  batch of one rank (and, with ``stream``, of one consumer), for plugins that draw
+  random numbers (same seed, same batches; bit-exact on resume).
+- :func:`parse_duration_option` parses a plugin's duration config key with an
+  error that names the algorithm and the key.
 
 Names are imported on first use (PEP 562): ``import slipstream`` and the CLI's
 listing commands do not pay for torch until a name that needs it is asked for.
@@ -24,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .algorithm import Algorithm
     from .checkpoint import load_checkpoint
-    from .duration import Duration, DurationError
+    from .duration import Duration, DurationError, parse_duration_option
     from .errors import CheckpointError, ConfigError, PluginError, SlipstreamError
     from .hookspecs import hookimpl
     from .images import to_unit_float
     from .options import TrainerOptions
-    from .seeding import batch_seed
+    from .seeds import batch_generator, batch_seed
     from .state import State, Timestamp, unwrap_model
     from .trainer import Trainer
 
@@ -48,9 +51,11 @@ _EXPORTS = {
     "Timestamp": "state",
     "Trainer": "trainer",
     "TrainerOptions": "options",
-    "batch_seed": "seeding",
+    "batch_generator": "seeds",
+    "batch_seed": "seeds",
     "hookimpl": "hookspecs",
     "load_checkpoint": "checkpoint",
+    "parse_duration_option": "duration",
     "to_unit_float": "images",
     "unwrap_model": "state",
 }
@@ -67,9 +72,11 @@ __all__ = [
     "Timestamp",
     "Trainer",
     "TrainerOptions",
+    "batch_generator",
     "batch_seed",
     "hookimpl",
     "load_checkpoint",
+    "parse_duration_option",
     "to_unit_float",
     "unwrap_model",
 ]
