@@ -137,3 +137,16 @@ def test_the_engine_imports_optuna_only_for_a_sweep():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_cli_runs_a_sweep_with_options_and_forms_in_any_order(tmp_path, recipe, capsys):
+    root = tmp_path / "cli"
+    code = main(
+        ["sweep", "--recipe", str(recipe), "optimizer.lr=loguniform(1e-3,1e-2)", "--trials", "1",
+         "--sweep-dir", str(root), "--metric", "loss", "trainer.max_duration=1ep"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.splitlines()[0].split() == ["trial", "state", "loss", "optimizer.lr", "run_dir"]
+    assert f"slipstream train --recipe {root / 'best.yaml'}" in out
+    assert json.loads((root / "trial-000" / "summary.json").read_text())["epochs"] == 1  # the fixed override
