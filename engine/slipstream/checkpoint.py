@@ -67,6 +67,68 @@ def nonfinite_tensors(tensors: Mapping[str, Any]) -> list[str]:
     return [n for n, ok in zip(names, finite.tolist(), strict=True) if not ok]
 
 
+def sharded_parts(state_dicts: Mapping[str, Any]) -> list[str]:
+    """The keys of ``state_dicts`` ({"model": ..., "optimizer": ...}) whose tensors
+    are ``DTensor`` shards: what goes to torch.distributed.checkpoint, not the file."""
+    from torch.distributed.tensor import DTensor
+
+    def holds_shards(value: Any) -> bool:
+        if isinstance(value, DTensor):
+            return True
+        if isinstance(value, Mapping):
+            return any(holds_shards(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return any(holds_shards(v) for v in value)
+        return False
+
+    return [key for key, value in state_dicts.items() if holds_shards(value)]
+
+
+def local_tensors(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each DTensor replaced by this rank's shard (flattened one
+    level for an optimizer's per-parameter state), for checks that need no collective."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Any] = {}
+    for name, value in state_dict.items():
+        if isinstance(value, Mapping):
+            out.update({f"{name}.{k}": v for k, v in local_tensors(value).items()})
+        else:
+            out[name] = value.to_local() if isinstance(value, DTensor) else value
+    return out
+
+
+def save_shards(state_dicts: dict[str, Any], folder: Path) -> None:
+    """Write ``state_dicts`` with torch.distributed.checkpoint (every rank writes its
+    own shards; a collective). An older folder of the same name is replaced."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state_dicts, checkpoint_id=str(folder))
+
+
+def load_shards(template: dict[str, Any], path: Path, payload: Mapping[str, Any]) -> dict[str, Any]:
+    """Read the shards that checkpoint ``path`` names into ``template`` (the state
+    dicts of this run, sharded as this run shards them; torch.distributed.checkpoint
+    reshards to another world size) and return it."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(path).parent / payload["shards"]
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"checkpoint {path} keeps its model and optimizer in {folder}, which does not exist"
+        )
+    parts = {key: template[key] for key in payload.get("sharded_parts", ("model", "optimizer"))}
+    if sorted(sharded_parts(parts)) != sorted(parts):
+        raise CheckpointError(
+            f"checkpoint {path} is sharded (torch.distributed.checkpoint shards in {folder}) and "
+            "this run does not shard the model: resume it with the plugin that wrote it "
+            "(algorithms.fsdp), or resume from a full checkpoint (the default, "
+            "sharded_checkpoint: false)"
+        )
+    dcp.load(parts, checkpoint_id=str(folder))
+    return {**template, **parts}
+
+
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
     """Read a checkpoint written by Slipstream, or raise CheckpointError saying why not."""
     path = Path(path)

@@ -20,8 +20,8 @@ from torch import nn
 
 from . import hookspecs
 from .algorithm import Algorithm
-from .checkpoint import load_checkpoint, rng_state, set_rng_state
-from .distributed import init_distributed, is_distributed, resolve_device
+from .checkpoint import load_checkpoint, load_shards, rng_state, set_rng_state
+from .distributed import init_distributed, resolve_device
 from .duration import Duration
 from .errors import CheckpointError, ConfigError, PluginError
 from .interrupts import stop_on_signals
@@ -111,6 +111,7 @@ class Trainer:
         target_accuracy: float | None = None,
         stop_at_target: bool = False,
         peak_tflops: float | dict[str, float] | None = None,
+        ddp: dict[str, Any] | None = None,
     ) -> None:
         # One set-up for the Python API and the CLI (which passes the same options,
         # built from its config): validate, then threads, determinism and seeds.
@@ -131,6 +132,7 @@ class Trainer:
             deterministic=deterministic,
             verbose=verbose,
             on_nonfinite=on_nonfinite,
+            ddp=ddp,
         ).validate()
         self.target_accuracy = check_target(target_accuracy, stop_at_target)
         peak = parse_peak_tflops(peak_tflops)
@@ -290,7 +292,7 @@ class Trainer:
         # pluggy calls the last registered plugin first. Services go in first so
         # that, at each event, algorithms act before the engine records the result.
         write = self.state.rank == 0
-        self._defaults = DefaultSteps()
+        self._defaults = DefaultSteps(self.options.ddp)
         self.pm.register(self._defaults, name=DefaultSteps.name)
         self.summary_writer = SummaryWriter(self.run_dir, self._build_summary, write=write)
         self.pm.register(self.summary_writer, name=SummaryWriter.name)
@@ -459,12 +461,8 @@ class Trainer:
         return iterator
 
     def _wrap_distributed(self) -> None:
-        if not is_distributed() or isinstance(
-            self.state.model, nn.parallel.DistributedDataParallel
-        ):
-            return
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        self.state.model = nn.parallel.DistributedDataParallel(self.state.model, device_ids=ids)
+        # DDP by default; a parallelism plugin may distribute the model itself.
+        self.state.model = self.pm.hook.wrap_model(state=self.state)
 
     # -- checkpoints and summary -------------------------------------------------------
 
@@ -487,9 +485,10 @@ class Trainer:
             record["name"]: {**record, "state": algo.state_dict()}
             for algo, record in zip(self.algorithms, self._algorithm_records(), strict=True)
         }
+        state_dicts = self.pm.hook.state_dicts(state=state)  # every rank: may gather shards
         return {
-            "model": state.unwrapped_model.state_dict(),
-            "optimizer": state.optimizer.state_dict(),
+            "model": state_dicts["model"],
+            "optimizer": state_dicts["optimizer"],
             "optimizer_class": type(state.optimizer).__name__,
             "schedulers": [s.state_dict() for s in state.schedulers],
             "plugins": plugins,
@@ -503,20 +502,21 @@ class Trainer:
     def _resume(self, path: Path) -> None:
         state = self.state
         payload = load_checkpoint(path, map_location=self.device)
-        try:
-            state.unwrapped_model.load_state_dict(payload["model"])
-        except RuntimeError as exc:
-            detail = " ".join(str(exc).split())[:400]
-            raise CheckpointError(
-                f"checkpoint {path} does not fit this model: {detail}. {self._written_by(payload)}"
-            ) from None
         # torch loads another optimizer's state without a word and fails at the
         # first step, so the class is compared first (older checkpoints lack it).
         saved_class = payload.get("optimizer_class")
         try:
             if saved_class not in (None, type(state.optimizer).__name__):
                 raise ValueError(f"it holds the state of {saved_class}")
-            state.optimizer.load_state_dict(payload["optimizer"])
+            state_dicts = {"model": payload["model"], "optimizer": payload["optimizer"]}
+            if payload.get("shards"):  # read into the shapes this run's state_dicts has
+                state_dicts = load_shards(self.pm.hook.state_dicts(state=state), path, payload)
+            self.pm.hook.load_state_dicts(state=state, state_dicts=state_dicts)
+        except RuntimeError as exc:
+            detail = " ".join(str(exc).split())[:400]
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model: {detail}. {self._written_by(payload)}"
+            ) from None
         except (ValueError, KeyError) as exc:
             raise CheckpointError(
                 f"checkpoint {path}: optimizer state does not fit {type(state.optimizer).__name__} "
