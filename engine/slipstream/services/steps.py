@@ -11,8 +11,16 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from ..distributed import is_distributed
+from ..errors import ConfigError
 from ..hookspecs import hookimpl
 from ..state import State
+
+UNUSED_PARAMETERS = (
+    "DistributedDataParallel: some of the model's parameters got no gradient in the previous "
+    "step (a branch not taken, a frozen or unused layer), so their gradients were never "
+    "reduced; set trainer.ddp.find_unused_parameters=true (it costs a pass over the autograd "
+    "graph each step), or freeze (requires_grad=False) or remove those parameters"
+)
 
 
 class DefaultSteps:
@@ -23,7 +31,12 @@ class DefaultSteps:
 
     @hookimpl(trylast=True)
     def forward(self, state: State) -> Any:
-        return state.model(state.batch[0])
+        try:
+            return state.model(state.batch[0])
+        except RuntimeError as exc:
+            if "find_unused_parameters" in str(exc):  # DDP, at the step after the one that failed
+                raise ConfigError(UNUSED_PARAMETERS) from None
+            raise
 
     @hookimpl(trylast=True)
     def compute_loss(self, state: State) -> Any:
