@@ -207,10 +207,9 @@ class FSDP(Algorithm):
     name = "fsdp"
     config_class = FSDPConfig
     # Model surgery first, so the final modules are sharded; torch.compile compiles the
-    # sharded model. EMA keeps a full copy made with copy.deepcopy, which FSDP refuses.
+    # sharded model; ema averages the shards.
     runs_after = ("locality_ffn", "channels_last", "activation_checkpointing", "mixed_precision")
-    runs_before = ("torch_compile",)
-    conflicts_with = ("ema",)
+    runs_before = ("torch_compile", "ema")
 
     def __init__(self, config: FSDPConfig | None = None) -> None:
         super().__init__(config)

@@ -3,7 +3,8 @@
 OUT/full: fsdp, 6 batches, full checkpoints every 3 batches (the third is mid-epoch).
 OUT/full_resumed: resumed from full's ep0-ba3.pt, to 6 batches.
 OUT/sharded, OUT/sharded_resumed: the same with sharded_checkpoint.
-OUT/accumulated: fsdp with grad_accumulation (2 batches per step).
+OUT/ema, OUT/ema_resumed: fsdp with ema (a sharded average), straight and resumed.
+OUT/accumulated: fsdp with grad_accumulation (2 batches per step) and grad_clipping.
 Each run's final full weights go to OUT/<run>.weights.pt (rank 0 writes), and the
 number of gradient reduce-scatters each run made to OUT/reductions.json.
 """
@@ -14,8 +15,10 @@ import sys
 
 import torch
 import torch.distributed as dist
+from slipstream_ema import EMA, EMAConfig
 from slipstream_fsdp import FSDP, FSDPConfig
 from slipstream_grad_accumulation import GradAccumulation, GradAccumulationConfig
+from slipstream_grad_clipping import GradClipping, GradClippingConfig
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from helpers import tiny_model
@@ -56,6 +59,7 @@ def run(name: str, algorithms: list, load: str | None = None, batches: int = 6) 
         eval_interval=None,
         checkpoint_interval="3ba",
         load_path=os.path.join(out, load, "checkpoints", "ep0-ba3.pt") if load else None,
+        log_interval=1,  # every record reads the (sharded) gradient norm
         progress_bar=False,
         verbose=False,
         device="cpu",
@@ -76,7 +80,10 @@ run("full", [fsdp()])
 run("full_resumed", [fsdp()], load="full")
 run("sharded", [fsdp(sharded_checkpoint=True, reshard_after_forward=False)])
 run("sharded_resumed", [fsdp(sharded_checkpoint=True, reshard_after_forward=False)], load="sharded")
-run("accumulated", [fsdp(), GradAccumulation(GradAccumulationConfig(steps=2))], batches=4)
+run("ema", [fsdp(), EMA(EMAConfig(decay=0.8))])
+run("ema_resumed", [fsdp(), EMA(EMAConfig(decay=0.8))], load="ema")
+accumulate = GradAccumulation(GradAccumulationConfig(steps=2))
+run("accumulated", [fsdp(), accumulate, GradClipping(GradClippingConfig(max_norm=0.05))], batches=4)
 if rank == 0:
     with open(os.path.join(out, "reductions.json"), "w") as f:
         json.dump(reductions, f)

@@ -132,17 +132,40 @@ def test_a_sharded_checkpoint_does_not_resume_without_fsdp(ranks, tmp_path):
         one_process(tmp_path, load=ranks / "sharded" / "checkpoints" / "ep0-ba3.pt")
 
 
-def test_grad_accumulation_syncs_only_on_the_step_batch(ranks, tmp_path):
+def test_grad_accumulation_and_clipping_on_sharded_gradients(ranks, tmp_path):
     # 4 batches of 16 in groups of 2 on 2 processes equal 2 steps of 32 in one process,
-    # which needs the unsynced micro-batches' gradients to reach the step.
+    # which needs the unsynced micro-batches' gradients to reach the step, and clipping
+    # by the norm of all shards together (max_norm is small enough to clip every step).
     from slipstream_grad_accumulation import GradAccumulation, GradAccumulationConfig
+    from slipstream_grad_clipping import GradClipping, GradClippingConfig
 
     reductions = json.loads((ranks / "reductions.json").read_text())
     assert reductions["full"] % 6 == 0 and reductions["full"] > 0  # one per unit and batch
     assert reductions["accumulated"] == reductions["full"] // 6 * 2  # 4 batches, 2 steps
     accumulated = weights(ranks / "accumulated.weights.pt")
-    reference = one_process(tmp_path, batches=4, algorithms=[GradAccumulation(GradAccumulationConfig(steps=2))])
+    clip = GradClipping(GradClippingConfig(max_norm=0.05))
+    reference = one_process(tmp_path, batches=4, algorithms=[GradAccumulation(GradAccumulationConfig(steps=2)), clip])
     assert relative_difference(accumulated, reference.state.model.state_dict()) < 1e-4
+    records = [json.loads(line) for line in (ranks / "accumulated" / "metrics.jsonl").read_text().splitlines()]
+    norms = [r["grad_norm"] for r in records if "grad_norm" in r]
+    assert norms and all(n > 0.05 for n in norms)  # logged as numbers, and above max_norm
+
+
+def test_ema_keeps_a_sharded_average_that_checkpoints_and_resumes_in_full(ranks, tmp_path):
+    from slipstream_ema import EMA, EMAConfig
+
+    def ema_weights(run: str) -> dict[str, torch.Tensor]:
+        payload = load_checkpoint(ranks / run / "checkpoints" / "latest.pt")
+        return payload["plugins"]["ema"]["state"]["weights"]
+
+    straight, resumed = ema_weights("ema"), ema_weights("ema_resumed")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    ema = EMA(EMAConfig(decay=0.8))
+    one_process(tmp_path, algorithms=[ema])
+    reference = ema.ema_model.state_dict()
+    assert relative_difference(straight, reference) < 1e-4  # full tensors, the model's names
+    trained = weights(ranks / "ema.weights.pt")
+    assert relative_difference(straight, trained) > 1e-5  # an average, not the weights
 
 
 # -- one process --------------------------------------------------------------------------------
