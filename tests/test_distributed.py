@@ -119,31 +119,38 @@ TINY_RUN = (
 )
 
 
-def _slipstream(*args: str) -> subprocess.Popen:
+def _slipstream(*args: str, cwd=None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "slipstream", "train", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
     )
 
 
-def test_two_launchers_as_two_nodes_train_one_run(tmp_path):
+def test_two_launchers_as_two_nodes_train_one_fsdp_run(tmp_path):
     # Two "machines" on localhost: node 0 hosts the rendezvous, each starts one process.
-    run_dir, port = tmp_path / "run", _free_port()
+    # No trainer.run_dir: each process names one by its clock and rank 0's is used by
+    # all, so the shards of both ranks land in the one run directory.
+    port = _free_port()
     nodes = [
         _slipstream(
             "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(rank),
             "--master-addr", "127.0.0.1", "--master-port", str(port),
-            *TINY_RUN, f"trainer.run_dir={run_dir}",
+            *TINY_RUN, "--algorithms", "fsdp", "algorithms.fsdp.sharded_checkpoint=true",
+            cwd=tmp_path,
         )
         for rank in (0, 1)
     ]
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1  # one run directory ...
+    run_dir = runs[0]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["samples"] == 2 * 8 * 2
-    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # one run directory ...
+    assert [a["name"] for a in summary["algorithms"]][-1] == "fsdp"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in records if r["kind"] == "eval"]) == 1  # ... written once
+    assert len(list(run_dir.glob("checkpoints/ep*-ba2.dcp/*.distcp"))) == 2  # a shard per rank
 
 
 def test_launcher_refuses_bad_config_before_starting_and_says_it_once(tmp_path):

@@ -19,6 +19,7 @@ through the ``wrap_model`` step. Checkpoints go through the ``state_dicts`` /
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -162,6 +163,19 @@ def shard_model(
     return fully_shard(model, **{**options, "reshard_after_forward": False})
 
 
+@torch.no_grad()
+def make_contiguous(model: nn.Module) -> int:
+    """Give every non-contiguous parameter (channels-last convolution weights)
+    contiguous storage, in place (the Parameter objects stay, so an optimizer built on
+    them is still right): FSDP2 shards only contiguous parameters. Returns how many."""
+    changed = 0
+    for p in model.parameters():
+        if not p.is_contiguous():
+            p.data = p.data.contiguous()
+            changed += 1
+    return changed
+
+
 def repoint_optimizer(optimizer: torch.optim.Optimizer, before: dict[int, str], model: nn.Module) -> None:
     """Point ``optimizer``'s groups at ``model``'s parameters of the same names.
     ``before`` maps ``id(parameter)`` to its name, taken before sharding replaced the
@@ -240,6 +254,14 @@ class FSDP(Algorithm):
             if cfg.param_dtype and state.compute_dtype is None:
                 state.compute_dtype = DTYPES[cfg.param_dtype]  # for MFU
         offload = cfg.cpu_offload and state.device.type == "cuda"
+        if make_contiguous(model):
+            # Inputs stay channels-last, and a convolution's output follows its input's
+            # format, so the convolutions still run channels-last.
+            warnings.warn(
+                "fsdp: FSDP2 shards only contiguous parameters; the channels-last weights were "
+                "made contiguous (inputs stay channels-last)",
+                stacklevel=2,
+            )
         names = {id(p): n for n, p in model.named_parameters()}
         shard_model(
             model,
@@ -296,6 +318,7 @@ __all__ = [
     "FSDP",
     "FSDPConfig",
     "auto_units",
+    "make_contiguous",
     "named_units",
     "repoint_optimizer",
     "shard_model",

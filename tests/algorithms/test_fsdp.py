@@ -18,6 +18,7 @@ from slipstream_fsdp import (
     FSDP,
     FSDPConfig,
     auto_units,
+    make_contiguous,
     named_units,
     size_units,
     to_index_layout,
@@ -191,6 +192,16 @@ def test_units_auto_named_and_by_size():
     units = size_units(vit, biggest)
     assert set(auto_units(vit)) <= set(units)
     assert size_units(vit, 10**9) == []  # only the root
+
+
+def test_channels_last_weights_are_made_contiguous_in_place():
+    model = tiny_model("resnet").to(memory_format=torch.channels_last)
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    assert make_contiguous(model) > 0  # FSDP2 refuses non-contiguous parameters
+    assert all(p.is_contiguous() for p in model.parameters())
+    for name, p in model.named_parameters():
+        assert p is before[name][0] and torch.equal(p, before[name][1])  # same objects and values
+    assert make_contiguous(model) == 0
 
 
 def test_optimizer_layouts_round_trip():
