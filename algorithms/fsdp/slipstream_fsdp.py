@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from slipstream import Algorithm, ConfigError, State, hookimpl
@@ -208,6 +208,16 @@ def to_name_layout(osd: dict[str, Any], names: list[str]) -> dict[str, Any]:
     return {"state": {names[int(i)]: s for i, s in osd["state"].items()}, "param_groups": groups}
 
 
+def reshard(model: nn.Module) -> None:
+    """Free every gathered parameter and put the shards back in the modules. A forward
+    without a backward (evaluation) leaves the units that do not reshard after forward
+    (the root; every unit under ZeRO-2) gathered, and their ``parameters()`` would then
+    not be the shards the optimizer steps."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _holds_dtensors(state_dict: dict[str, Any]) -> bool:
     return any(isinstance(v, DTensor) for v in state_dict.values())
 
@@ -282,9 +292,14 @@ class FSDP(Algorithm):
     def wrap_model(self, state: State) -> nn.Module:
         return state.model  # sharded at init: no DDP around it
 
+    @hookimpl(tryfirst=True)
+    def eval_end(self, state: State) -> None:
+        reshard(state.unwrapped_model)  # before anyone reads the parameters
+
     @hookimpl
     def state_dicts(self, state: State) -> dict[str, Any]:
         model, optimizer = state.unwrapped_model, state.optimizer
+        reshard(model)
         if self.config.sharded_checkpoint:  # DTensor shards: the engine writes them with DCP
             return {
                 "model": get_model_state_dict(model),
@@ -321,6 +336,7 @@ __all__ = [
     "make_contiguous",
     "named_units",
     "repoint_optimizer",
+    "reshard",
     "shard_model",
     "size_units",
     "to_index_layout",

@@ -28,7 +28,7 @@ from slipstream.data import build_datasets, build_loader
 out = sys.argv[1]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.set_num_threads(1)
-train, _, classes = build_datasets("synthetic", image_size=16, train_size=64, val_size=16, num_classes=4)
+train, val, classes = build_datasets("synthetic", image_size=16, train_size=64, val_size=16, num_classes=4)
 
 
 reductions: dict[str, int] = {}
@@ -53,10 +53,12 @@ def run(name: str, algorithms: list, load: str | None = None, batches: int = 6) 
         model=model,
         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
         train_data=loader,
+        # Evaluated each epoch and at the end: a forward without backward leaves the root
+        # gathered, and checkpoints come after it.
+        eval_data=build_loader(val, batch_size=8, shuffle=False, drop_last=False, rank=rank, world_size=world),
         max_duration=f"{batches}ba",
         algorithms=algorithms,
         run_dir=os.path.join(out, name),
-        eval_interval=None,
         checkpoint_interval="3ba",
         load_path=os.path.join(out, load, "checkpoints", "ep0-ba3.pt") if load else None,
         log_interval=1,  # every record reads the (sharded) gradient norm
