@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..checkpoint import local_tensors, nonfinite_tensors, save_checkpoint, save_shards, sharded_parts
 from ..duration import Duration
 from ..hookspecs import hookimpl
+from ..interval import RunInterval
 from ..rundir import RunDir
 from ..state import State
 
@@ -46,43 +47,30 @@ class Checkpointer:
         self.build_payload = build_payload
         # Asked before each save (the divergence check); False means do not save.
         self.guard = guard
-        self.interval = Duration.parse(interval) if interval else None
+        self.interval = RunInterval(interval)
         self.keep = keep
         self.write = write
-        self._next: float | None = None
         self._written: list[Path] = []
         self._last_saved_batch: int | None = None
 
     @hookimpl
     def fit_start(self, state: State) -> None:
-        if self.interval is not None:
-            now = state.time_in(self.interval.unit)
-            self._next = (now // self.interval.value + 1) * self.interval.value
-
-    def _due(self, state: State) -> bool:
-        if self.interval is None or self._next is None:
-            return False
-        now = state.time_in(self.interval.unit)
-        if now + 1e-9 < self._next:
-            return False
-        while now + 1e-9 >= self._next:
-            self._next += self.interval.value
-        return True
+        self.interval.start(state)
 
     @hookimpl
     def batch_end(self, state: State) -> None:
-        if self.interval is not None and self.interval.unit != "ep" and self._due(state):
+        if self.interval.due_at_batch_end(state):
             self.save(state)
 
     @hookimpl
     def epoch_end(self, state: State) -> None:
-        if self.interval is not None and self.interval.unit == "ep" and self._due(state):
+        if self.interval.due_at_epoch_end(state):
             self.save(state)
 
     @hookimpl
     def fit_end(self, state: State) -> None:
         # No interval means no checkpoints at all, not "only the last one".
-        if self.interval is not None and self._last_saved_batch != state.timestamp.batch:
+        if self.interval.enabled and self._last_saved_batch != state.timestamp.batch:
             self.save(state)
 
     def save(self, state: State) -> Path | None:
