@@ -19,7 +19,7 @@ from torch import nn
 from . import hookspecs
 from .algorithm import Algorithm
 from .checkpoint import checkpoint_payload, restore_checkpoint
-from .distributed import init_distributed, is_distributed, resolve_device
+from .distributed import init_distributed, resolve_device
 from .duration import Duration
 from .errors import CheckpointError, ConfigError, PluginError
 from .interrupts import stop_on_signals
@@ -109,6 +109,7 @@ class Trainer:
         target_accuracy: float | None = None,
         stop_at_target: bool = False,
         peak_tflops: float | dict[str, float] | None = None,
+        ddp: dict[str, Any] | None = None,
     ) -> None:
         # One set-up for the Python API and the CLI (which passes the same options,
         # built from its config): validate, then threads, determinism and seeds.
@@ -129,6 +130,7 @@ class Trainer:
             deterministic=deterministic,
             verbose=verbose,
             on_nonfinite=on_nonfinite,
+            ddp=ddp,
         ).validate()
         self.target_accuracy = check_target(target_accuracy, stop_at_target)
         peak = parse_peak_tflops(peak_tflops)
@@ -242,7 +244,7 @@ class Trainer:
         # pluggy calls the last registered plugin first. Services go in first so
         # that, at each event, algorithms act before the engine records the result.
         write = self.state.rank == 0
-        self._defaults = DefaultSteps()
+        self._defaults = DefaultSteps(self.options.ddp)
         self.pm.register(self._defaults, name=DefaultSteps.name)
         self.summary_writer = SummaryWriter(
             self.run_dir,
@@ -333,7 +335,7 @@ class Trainer:
             pm.hook.init(state=state)
             self._check_hooks()  # init may have registered helpers
             if self.load_path is not None:
-                restore_checkpoint(state, self.load_path, verbose=self.verbose)
+                restore_checkpoint(state, self.load_path, verbose=self.verbose, hook=self.pm.hook)
             self._wrap_distributed()
             self._bind_hooks()
             if state.rank == 0:
@@ -424,12 +426,8 @@ class Trainer:
         return iterator
 
     def _wrap_distributed(self) -> None:
-        if not is_distributed() or isinstance(
-            self.state.model, nn.parallel.DistributedDataParallel
-        ):
-            return
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        self.state.model = nn.parallel.DistributedDataParallel(self.state.model, device_ids=ids)
+        # DDP by default; a parallelism plugin may distribute the model itself.
+        self.state.model = self.pm.hook.wrap_model(state=self.state)
 
     # -- what checkpoints and the summary record -------------------------------------
 
@@ -437,7 +435,7 @@ class Trainer:
         return [algorithm_record(a, self._distributions[a.name]) for a in self.algorithms]
 
     def _checkpoint_payload(self, state: State) -> dict[str, Any]:
-        return checkpoint_payload(state, self._algorithm_records())
+        return checkpoint_payload(state, self._algorithm_records(), hook=self.pm.hook)
 
 
 def _batches_per_epoch(loader: Any) -> int | None:

@@ -4,16 +4,25 @@ Files go to ``RUN_DIR/checkpoints/ep{E}-ba{B}.pt``; the newest is also
 ``latest.pt``. Only rank 0 writes. Without an interval nothing is written. A
 checkpoint whose weights are not all finite is never written, so ``latest.pt``
 stays the last good one.
+
+When the model's or optimizer's state is sharded (DTensors, from a parallelism
+plugin's ``state_dicts``), every rank writes its shards with
+torch.distributed.checkpoint into ``ep{E}-ba{B}.dcp/`` beside the file, which then
+names that folder instead of holding the tensors.
 """
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import nonfinite_tensors, save_checkpoint
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import local_tensors, nonfinite_tensors, save_checkpoint, save_shards, sharded_parts
 from ..duration import Duration
 from ..hookspecs import hookimpl
 from ..interval import RunInterval
@@ -68,11 +77,16 @@ class Checkpointer:
         self._last_saved_batch = state.timestamp.batch
         if self.guard is not None and not self.guard(state):
             return None
-        payload = self.build_payload(state)  # every rank: may hold collectives later (FSDP)
+        payload = self.build_payload(state)  # every rank: may hold collectives (FSDP)
+        ts = state.timestamp
+        sharded = sharded_parts({k: payload[k] for k in ("model", "optimizer")})
+        if sharded:
+            payload = self._save_shards(state, payload, sharded)
+            if payload is None:
+                return None
         if not self.write:
             return None
-        ts = state.timestamp
-        bad = nonfinite_tensors(payload["model"])
+        bad = [] if sharded else nonfinite_tensors(payload["model"])
         if bad:
             kept = (
                 f"{self.paths.latest} stays the last good one"
@@ -91,5 +105,30 @@ class Checkpointer:
         save_checkpoint(payload, self.paths.latest)
         self._written.append(path)
         while self.keep >= 0 and len(self._written) > max(self.keep, 1):
-            self._written.pop(0).unlink(missing_ok=True)
+            old = self._written.pop(0)
+            old.unlink(missing_ok=True)
+            shutil.rmtree(self.paths.shards_of(old), ignore_errors=True)
         return path
+
+    def _save_shards(
+        self, state: State, payload: dict[str, Any], sharded: list[str]
+    ) -> dict[str, Any] | None:
+        """Every rank writes its shards of ``sharded`` parts; returns the payload that
+        names the folder, or None (on every rank alike) when a shard is not finite."""
+        ts = state.timestamp
+        bad = nonfinite_tensors(local_tensors(payload["model"]))
+        flag = torch.tensor([len(bad)], dtype=torch.int64)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag)  # all ranks skip together: the save is a collective
+        if int(flag):
+            if self.write:
+                warnings.warn(
+                    f"slipstream: not writing the checkpoint of step {ts.batch}: the weights hold "
+                    "NaN or infinity",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return None
+        folder = self.paths.shards(ts.epoch, ts.batch)
+        save_shards({k: payload[k] for k in sharded}, folder)
+        return {**payload, **dict.fromkeys(sharded), "shards": folder.name, "sharded_parts": sharded}
