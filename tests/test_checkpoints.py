@@ -34,7 +34,7 @@ class Counter(Algorithm):
 def test_checkpoint_contents_load_with_weights_only(tmp_path):
     trainer = train(tmp_path, [Counter()], max_duration="2ep", checkpoint_interval="1ep")
     folder = trainer.run_dir / "checkpoints"
-    assert sorted(p.name for p in folder.iterdir()) == ["ep1-ba4.pt", "ep2-ba8.pt", "latest.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["best.pt", "ep1-ba4.pt", "ep2-ba8.pt", "latest.pt"]
     payload = torch.load(folder / "latest.pt", weights_only=True)
     assert set(payload) >= {"model", "optimizer", "plugins", "timestamp", "config", "rng"}
     assert payload["model"].keys() == trainer.state.unwrapped_model.state_dict().keys()

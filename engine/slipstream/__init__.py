@@ -4,20 +4,28 @@ The public API, which plugins may import:
 
 - :class:`Trainer` runs the loop (its run-level settings are :class:`TrainerOptions`);
   :class:`State` is what every hook receives.
-- :class:`Algorithm` is the base class of a technique; :data:`hookimpl` marks its
-  hook methods (the contract is :mod:`slipstream.hookspecs`).
+- :class:`Algorithm` is the base class of a technique, :class:`Callback` of an
+  observer (logger, profiler, early stopping); :data:`hookimpl` marks their hook
+  methods (the contract is :mod:`slipstream.hookspecs`).
+- :class:`RunDir` names the files of a run directory (``summary.json``,
+  ``config.yaml``, ``checkpoints/best.pt`` ...), for plugins that read them.
 - :class:`Duration` parses ``10ep``, ``0.3dur``, ``15m`` ...
+- :func:`flatten` and :func:`numbers` turn configs and metrics records into the
+  flat keys and numbers experiment trackers take (for logger callbacks).
 - :func:`to_unit_float` turns a ``uint8`` or float image batch into float in [0, 1],
   for plugins that transform pixels at ``batch_start``.
 """
 
 from .algorithm import Algorithm
+from .callback import Callback
 from .checkpoint import load_checkpoint
 from .duration import Duration, DurationError
 from .errors import CheckpointError, ConfigError, PluginError, SlipstreamError
+from .flatten import flatten, numbers
 from .hookspecs import hookimpl
 from .images import to_unit_float
 from .options import TrainerOptions
+from .rundir import RunDir
 from .state import State, Timestamp, unwrap_model
 from .trainer import Trainer
 
@@ -25,18 +33,22 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Algorithm",
+    "Callback",
     "CheckpointError",
     "ConfigError",
     "Duration",
     "DurationError",
     "PluginError",
+    "RunDir",
     "SlipstreamError",
     "State",
     "Timestamp",
     "Trainer",
     "TrainerOptions",
+    "flatten",
     "hookimpl",
     "load_checkpoint",
+    "numbers",
     "to_unit_float",
     "unwrap_model",
 ]

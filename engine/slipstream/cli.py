@@ -1,7 +1,8 @@
 """The command line: a thin layer over the Python API.
 
-slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [key=value ...]
+slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [--callbacks a,no:b] [key=value ...]
 slipstream algorithms [--json]
+slipstream callbacks [--json]
 slipstream recipes [--json]
 slipstream plot RUN_DIR [RUN_DIR ...] [-o runs.png]
 slipstream compare RUN_DIR [RUN_DIR ...] [--target 0.6] [--json]
@@ -49,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train",
         help="train a model (the default recipe unless --recipe is given)",
-        description="Train. Merge order: defaults < recipe < --algorithms < key=value overrides.",
+        description="Train. Merge order: defaults < recipe < --algorithms/--callbacks < key=value overrides.",
     )
     train.add_argument(
         "--recipe",
@@ -64,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated algorithms to add; 'no:NAME' removes one",
     )
     train.add_argument(
+        "--callbacks",
+        default=None,
+        help="comma-separated callbacks to add (loggers, profiler, early stopping); "
+        "'no:NAME' removes one",
+    )
+    train.add_argument(
         "--quiet", "-q", action="store_true", help="no progress bar or summary table"
     )
     train.add_argument(
@@ -75,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
 
     algos = sub.add_parser("algorithms", help="list installed algorithms")
     algos.add_argument("--json", action="store_true", help="machine-readable output")
+
+    callbacks = sub.add_parser("callbacks", help="list installed callbacks")
+    callbacks.add_argument("--json", action="store_true", help="machine-readable output")
 
     recipes = sub.add_parser("recipes", help="list bundled recipes")
     recipes.add_argument("--json", action="store_true", help="machine-readable output")
@@ -195,7 +205,7 @@ def _train(args: argparse.Namespace) -> int:
     from .runner import build_trainer
 
     recipe = args.recipe or DEFAULT_RECIPE
-    cfg = build_config(recipe, args.algorithms, args.overrides)
+    cfg = build_config(recipe, args.algorithms, args.overrides, callbacks=args.callbacks)
     if args.quiet:
         cfg.trainer.progress_bar = False
     trainer = build_trainer(cfg, label=Path(recipe).stem, verbose=not args.quiet)
@@ -235,6 +245,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("throughput", f"{summary.get('samples_per_s', 0):.0f} samples/s"),
         ("epochs / batches", f"{summary.get('epochs')} / {summary.get('batches')}"),
         ("algorithms", ", ".join(a["name"] for a in summary.get("algorithms", [])) or "none"),
+        ("callbacks", ", ".join(c["name"] for c in summary.get("callbacks", [])) or "none"),
         ("device", f"{summary.get('device')} x {summary.get('world_size', 1)}"),
         ("run directory", summary.get("run_dir", "-")),
     ]
@@ -245,14 +256,24 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def _algorithms(args: argparse.Namespace) -> int:
-    from .plugins import discover
+    return _list_plugins(args, "slipstream.algorithms")
 
-    infos = discover()
+
+def _callbacks(args: argparse.Namespace) -> int:
+    return _list_plugins(args, "slipstream.callbacks")
+
+
+def _list_plugins(args: argparse.Namespace, group: str) -> int:
+    """`slipstream algorithms` / `slipstream callbacks`: the installed plugins of
+    ``group`` (name, distribution, version, summary, or why it failed to load)."""
+    from .plugins import GROUPS, discover
+
+    infos = discover(group=group)
     if args.json:
         print(json.dumps([info.as_dict() for info in infos.values()], indent=2))
         return 0
     if not infos:
-        print("no algorithms installed (entry point group 'slipstream.algorithms')")
+        print(f"no {GROUPS[group][1]}s installed (entry point group {group!r})")
         return 0
     rows = [
         (i.name, i.distribution, i.version, f"FAILED TO LOAD: {i.error}" if i.error else i.summary)
@@ -313,6 +334,7 @@ def _compare(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "train": _train,
     "algorithms": _algorithms,
+    "callbacks": _callbacks,
     "recipes": _recipes,
     "plot": _plot,
     "compare": _compare,

@@ -21,6 +21,7 @@ import torch
 
 from .duration import Duration, DurationError
 from .errors import ConfigError
+from .services.checkpoint import check_best_metric
 from .services.divergence import check_on_nonfinite
 
 # `normalize="auto"`: the statistics of a dataset Slipstream knows, else none.
@@ -60,6 +61,7 @@ class TrainerOptions:
     deterministic: bool = False
     verbose: bool = True
     on_nonfinite: str = "stop"  # stop | warn: what a NaN or infinite training loss does
+    best_metric: str | None = "accuracy"  # accuracy | loss | None: what checkpoints/best.pt keeps the best of
 
     @classmethod
     def from_config(cls, trainer: Mapping[str, Any], **extra: Any) -> TrainerOptions:
@@ -90,6 +92,7 @@ class TrainerOptions:
         check_device(self.device, f"{prefix}device")
         _check_normalize(self.normalize, f"{prefix}normalize")
         check_on_nonfinite(self.on_nonfinite)
+        check_best_metric(self.best_metric)
         if self.run_dir is not None:
             check_output_dir(Path(self.run_dir), f"{prefix}run_dir")
         return self

@@ -1,23 +1,41 @@
 """Write checkpoints at an interval and at the end of the run.
 
 Files go to ``RUN_DIR/checkpoints/ep{E}-ba{B}.pt``; the newest is also
-``latest.pt``. Only rank 0 writes. Without an interval nothing is written. A
-checkpoint whose weights are not all finite is never written, so ``latest.pt``
-stays the last good one.
+``latest.pt``. ``best.pt`` is written at each evaluation that improves the
+monitored metric (``best_metric``: eval ``accuracy``, higher is better, or eval
+``loss``, lower is better) and records it under ``"best"`` (metric, value, step,
+epoch). Only rank 0 writes. Without an interval nothing is written. A checkpoint
+whose weights are not all finite is never written, so ``latest.pt`` and
+``best.pt`` stay the last good ones.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import nonfinite_tensors, save_checkpoint
+from ..checkpoint import load_checkpoint, nonfinite_tensors, save_checkpoint
 from ..duration import Duration
+from ..errors import CheckpointError, ConfigError
 from ..hookspecs import hookimpl
 from ..rundir import RunDir
 from ..state import State
+
+# The metrics best.pt may monitor, and whether higher is better.
+BEST_METRICS = {"accuracy": True, "loss": False}
+
+
+def check_best_metric(value: str | None) -> str | None:
+    """``value`` if it is a valid ``trainer.best_metric`` (null: no best.pt), else a ConfigError."""
+    if value is not None and value not in BEST_METRICS:
+        raise ConfigError(
+            f"trainer.best_metric must be one of {', '.join(BEST_METRICS)} (of the eval records) "
+            f"or null for no best.pt, got {value!r}"
+        )
+    return value
 
 
 class Checkpointer:
@@ -31,6 +49,7 @@ class Checkpointer:
         keep: int = 2,
         write: bool = True,
         guard: Callable[[State], bool] | None = None,
+        best_metric: str | None = "accuracy",
     ) -> None:
         self.paths = RunDir(Path(run_dir))
         self.folder = self.paths.checkpoints
@@ -43,12 +62,22 @@ class Checkpointer:
         self._next: float | None = None
         self._written: list[Path] = []
         self._last_saved_batch: int | None = None
+        self.best_metric = check_best_metric(best_metric)
+        self.best: dict[str, Any] | None = None  # what best.pt holds: metric, value, step, epoch
 
     @hookimpl
     def fit_start(self, state: State) -> None:
         if self.interval is not None:
             now = state.time_in(self.interval.unit)
             self._next = (now // self.interval.value + 1) * self.interval.value
+        if state.timestamp.batch > 0 and self.paths.best.is_file():
+            # A resumed run: the best so far is the one best.pt holds.
+            try:
+                saved = load_checkpoint(self.paths.best).get("best")
+            except CheckpointError:
+                saved = None
+            if isinstance(saved, dict) and saved.get("metric") == self.best_metric:
+                self.best = saved
 
     def _due(self, state: State) -> bool:
         if self.interval is None or self._next is None:
@@ -76,14 +105,36 @@ class Checkpointer:
         if self.interval is not None and self._last_saved_batch != state.timestamp.batch:
             self.save(state)
 
-    def save(self, state: State) -> Path | None:
-        self._last_saved_batch = state.timestamp.batch
+    @hookimpl
+    def eval_end(self, state: State) -> None:
+        if self.interval is None or self.best_metric is None:
+            return
+        value = state.eval_metrics.get(self.best_metric)
+        # Eval metrics are the same on every rank (all-reduced): all ranks agree here.
+        if value is None or not math.isfinite(value) or not math.isfinite(state.eval_metrics["loss"]):
+            return
+        if self.best is not None:
+            higher = BEST_METRICS[self.best_metric]
+            if (value <= self.best["value"]) if higher else (value >= self.best["value"]):
+                return
+        ts = state.timestamp
+        best = {"metric": self.best_metric, "value": value, "step": ts.batch, "epoch": ts.epoch}
+        payload = self._payload(state)
+        if payload is None:
+            return
+        if self.write:
+            save_checkpoint({**payload, "best": best}, self.paths.best)
+        self.best = best
+        state.summary["best_checkpoint"] = best
+
+    def _payload(self, state: State) -> dict[str, Any] | None:
+        """What to save, or None when nothing may be saved (a diverged run, or
+        weights that are not all finite on the writing rank)."""
         if self.guard is not None and not self.guard(state):
             return None
         payload = self.build_payload(state)  # every rank: may hold collectives later (FSDP)
         if not self.write:
-            return None
-        ts = state.timestamp
+            return payload
         bad = nonfinite_tensors(payload["model"])
         if bad:
             kept = (
@@ -93,12 +144,20 @@ class Checkpointer:
             )
             shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
             warnings.warn(
-                f"slipstream: not writing the checkpoint of step {ts.batch}: the weights hold "
-                f"NaN or infinity ({shown}); {kept}",
+                f"slipstream: not writing the checkpoint of step {state.timestamp.batch}: the "
+                f"weights hold NaN or infinity ({shown}); {kept}",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             return None
+        return payload
+
+    def save(self, state: State) -> Path | None:
+        self._last_saved_batch = state.timestamp.batch
+        payload = self._payload(state)
+        if payload is None or not self.write:
+            return None
+        ts = state.timestamp
         path = save_checkpoint(payload, self.paths.checkpoint(ts.epoch, ts.batch))
         save_checkpoint(payload, self.paths.latest)
         self._written.append(path)
