@@ -189,14 +189,16 @@ def test_callback_config_errors_name_the_callback_and_the_key():
     cls = discover(group=CALLBACKS_GROUP)["early_stopping"].cls
     from slipstream.plugins import build_config as plugin_config
 
-    with pytest.raises(ConfigError, match=r"callbacks.early_stopping: unknown key 'patiense' \(did you mean 'patience'\?\)"):
+    unknown = r"callbacks.early_stopping: unknown key 'patiense' \(did you mean 'patience'\?\)"
+    with pytest.raises(ConfigError, match=unknown):
         plugin_config(cls, {"patiense": 2})
     with pytest.raises(ConfigError, match=r"callbacks.early_stopping: monitor must be one of accuracy, loss"):
         plugin_config(cls, {"monitor": "acc"})
 
 
 def test_removing_a_callback_that_is_not_there():
-    with pytest.raises(ConfigError, match=r"--callbacks no:tensorbord: no callback 'tensorbord' is installed \(did you mean 'tensorboard'\?\)"):
+    typo = r"--callbacks no:tensorbord: no callback 'tensorbord' is installed \(did you mean 'tensorboard'\?\)"
+    with pytest.raises(ConfigError, match=typo):
         build_config(None, None, [], callbacks="no:tensorbord")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
