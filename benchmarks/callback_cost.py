@@ -54,8 +54,8 @@ def run_cost(name: str, records: int) -> dict[str, float]:
     """Seconds per log_metrics call and for fit_end, in a run of ``records`` train records."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import torch
-    from helpers import tiny_loaders, tiny_model
 
+    from helpers import tiny_loaders, tiny_model
     from slipstream import Trainer
     from slipstream.plugins import CALLBACKS_GROUP, discover, instantiate
 

@@ -119,11 +119,14 @@ def test_a_run_directory_holding_a_run_is_not_reused(tmp_path):
 
 
 class FailAt(Algorithm):
+    """Fails in the middle of the third batch: after its loss, before any batch_end,
+    so no interval checkpoint is due whatever order the plugins run in."""
+
     name = "fail_at"
 
     @hookimpl
-    def batch_end(self, state):
-        if state.timestamp.batch == 3:
+    def after_loss(self, state):
+        if state.timestamp.batch == 2:  # the batch that would complete step 3
             raise RuntimeError("injected failure")
 
 
@@ -133,7 +136,10 @@ def test_a_failed_run_overwrites_no_checkpoint(tmp_path):
     before = latest.read_bytes()
     with pytest.raises(RuntimeError, match="injected failure"):
         train(tmp_path, [FailAt()], max_duration="6ba", load_path=latest, checkpoint_interval="1ba")
+    # The failure is the only way this run ends: nothing it saves on the way out
+    # (the state of a batch that failed half-way) may replace the last good checkpoint.
     assert latest.read_bytes() == before
+    assert sorted(p.name for p in latest.parent.iterdir()) == ["best.pt", "ep0-ba2.pt", "latest.pt"]
 
 
 def test_sigterm_ends_the_run_cleanly_with_a_checkpoint(tmp_path):

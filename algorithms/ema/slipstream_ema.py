@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
-from slipstream import Algorithm, ConfigError, Duration, DurationError, State, hookimpl
+from slipstream import Algorithm, ConfigError, Duration, State, hookimpl, parse_duration_option
 
 DEFAULT_DECAY = 0.999
 
@@ -56,13 +56,6 @@ def half_life_decay(half_life: float, elapsed: float = 1.0) -> float:
     return 0.5 ** (elapsed / half_life)
 
 
-def _duration(key: str, text: str) -> Duration:
-    try:
-        return Duration.parse(text)
-    except DurationError as exc:
-        raise ValueError(f"{key}: {exc}") from None
-
-
 @dataclass
 class EMAConfig:
     decay: Optional[float] = None  # per optimizer step, in (0, 1); 0.999 when neither is set
@@ -80,15 +73,10 @@ class EMAConfig:
             )
         if self.decay is not None and not 0.0 < self.decay < 1.0:
             raise ValueError(f"decay must be in (0, 1) exclusive, e.g. 0.999, got {self.decay}")
-        if self.half_life is not None:
-            half_life = _duration("half_life", self.half_life)
-            if half_life.is_wall_clock or half_life.value <= 0:
-                raise ValueError(
-                    "half_life must be a positive duration in ba, ep, sp or dur "
-                    f"(e.g. '50ba', '0.1ep', '0.01dur'), got {self.half_life!r}"
-                )
+        if self.half_life is not None:  # e.g. '50ba', '0.1ep', '0.01dur'
+            parse_duration_option(EMA.name, "half_life", self.half_life, positive=True, units=("ba", "ep", "sp", "dur"))
         if self.start is not None:
-            _duration("start", self.start)
+            parse_duration_option(EMA.name, "start", self.start)
         if self.update_every < 1:
             raise ValueError(f"update_every must be an integer >= 1, got {self.update_every}")
 

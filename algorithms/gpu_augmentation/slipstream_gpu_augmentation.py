@@ -19,7 +19,6 @@ resumed run continues the same stream with no state to checkpoint.
 from __future__ import annotations
 
 import difflib
-import hashlib
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,7 +30,7 @@ import kornia.augmentation.auto as KA
 import torch
 from torch import nn
 
-from slipstream import Algorithm, State, hookimpl, to_unit_float
+from slipstream import Algorithm, State, batch_seed, hookimpl, to_unit_float
 
 PRESETS = ("light", "trivial", "randaugment", "custom")
 
@@ -282,12 +281,6 @@ def intra_op_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-def batch_seed(seed: int, rank: int, batch: int) -> int:
-    """A 64-bit seed for one batch of one rank, stable across processes and runs."""
-    digest = hashlib.blake2b(f"{seed}/{rank}/{batch}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
 
 
 def augment_batch(

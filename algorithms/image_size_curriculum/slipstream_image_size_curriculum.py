@@ -24,7 +24,16 @@ import torch.nn.functional as F
 from timm.layers import Format
 from torch import nn
 
-from slipstream import Algorithm, ConfigError, Duration, State, hookimpl, to_unit_float
+from slipstream import (
+    Algorithm,
+    ConfigError,
+    Duration,
+    State,
+    batch_generator,
+    hookimpl,
+    parse_duration_option,
+    to_unit_float,
+)
 
 SCHEDULES = ("linear", "stepped")
 MODES = ("bilinear", "nearest", "random_crop")
@@ -64,12 +73,7 @@ class ImageSizeCurriculumConfig:
         for key in ("initial_size", "increment"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be a positive number of pixels, got {getattr(self, key)}")
-        try:
-            every = Duration.parse(self.every)
-        except ValueError as exc:
-            raise ValueError(f"every: {exc}") from None
-        if every.value <= 0:
-            raise ValueError(f"every must be a positive duration, got {self.every!r}")
+        parse_duration_option(ImageSizeCurriculum.name, "every", self.every, positive=True)
         if self.size_multiple is not None and self.size_multiple < 0:
             raise ValueError(f"size_multiple must be >= 0 (0 or null = automatic), got {self.size_multiple}")
 
@@ -229,10 +233,7 @@ class ImageSizeCurriculum(Algorithm):
         self.size = size
         if size == full:
             return
-        generator = None
-        if self.config.mode == "random_crop":
-            step_seed = hash((state.seed, state.rank, state.timestamp.batch)) & (2**63 - 1)
-            generator = torch.Generator().manual_seed(step_seed)
+        generator = batch_generator(state) if self.config.mode == "random_crop" else None
         resized = resize_batch(inputs, size, self.config.mode, generator, self.config.antialias)
         state.batch = (resized, *rest)
 

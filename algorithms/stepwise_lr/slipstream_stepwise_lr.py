@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from slipstream import Algorithm, ConfigError, Duration, State, hookimpl
+from slipstream import Algorithm, ConfigError, Duration, State, hookimpl, parse_duration_option
 
 SCHEDULES = (
     "constant",
@@ -34,13 +34,6 @@ _DURATION_KEYS = {
     "step_size": ("step", "exponential"),
     "milestones": ("multistep",),
 }
-
-
-def _check_duration(key: str, value: str) -> Duration:
-    try:
-        return Duration.parse(value)
-    except ValueError as exc:
-        raise ValueError(f"{key}: {exc}") from None
 
 
 @dataclass
@@ -62,11 +55,10 @@ class StepwiseLRConfig:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.interval not in INTERVALS:
             raise ValueError(f"interval must be one of {', '.join(INTERVALS)}, got {self.interval!r}")
-        _check_duration("warmup", self.warmup)
-        if _check_duration("step_size", self.step_size).value <= 0:
-            raise ValueError(f"step_size must be a positive duration, got {self.step_size!r}")
+        parse_duration_option(StepwiseLR.name, "warmup", self.warmup)
+        parse_duration_option(StepwiseLR.name, "step_size", self.step_size, positive=True)
         for milestone in self.milestones:
-            _check_duration("milestones", milestone)
+            parse_duration_option(StepwiseLR.name, "milestones", milestone)
         if not 0.0 <= self.warmup_start_factor <= 1.0:
             raise ValueError(f"warmup_start_factor must be in [0, 1], got {self.warmup_start_factor}")
         if self.min_lr < 0:

@@ -12,6 +12,11 @@ The public API, which plugins may import:
 - :class:`Duration` parses ``10ep``, ``0.3dur``, ``15m`` ...
 - :func:`flatten` and :func:`numbers` turn configs and metrics records into the
   flat keys and numbers experiment trackers take (for logger callbacks).
+- :func:`batch_seed` / :func:`batch_generator`: the random stream of one training
+  batch of one rank, for plugins that draw random numbers (same seed, same batches;
+  bit-exact on resume).
+- :func:`parse_duration_option` parses a plugin's duration config key with an
+  error that names the algorithm and the key.
 - :func:`to_unit_float` turns a ``uint8`` or float image batch into float in [0, 1],
   for plugins that transform pixels at ``batch_start``.
 """
@@ -19,13 +24,14 @@ The public API, which plugins may import:
 from .algorithm import Algorithm
 from .callback import Callback
 from .checkpoint import load_checkpoint
-from .duration import Duration, DurationError
+from .duration import Duration, DurationError, parse_duration_option
 from .errors import CheckpointError, ConfigError, PluginError, SlipstreamError
 from .flatten import flatten, numbers
 from .hookspecs import hookimpl
 from .images import to_unit_float
 from .options import TrainerOptions
 from .rundir import RunDir
+from .seeds import batch_generator, batch_seed
 from .state import State, Timestamp, unwrap_model
 from .trainer import Trainer
 
@@ -45,10 +51,13 @@ __all__ = [
     "Timestamp",
     "Trainer",
     "TrainerOptions",
+    "batch_generator",
+    "batch_seed",
     "flatten",
     "hookimpl",
     "load_checkpoint",
     "numbers",
+    "parse_duration_option",
     "to_unit_float",
     "unwrap_model",
 ]

@@ -5,12 +5,17 @@ the unwrapped model's ``state_dict``, the optimizer's, every scheduler's, every
 plugin's state under its registered name (with version and config), the
 timestamp, the random number generators and the resolved config. Together with
 the seed-and-epoch data order, that is what a bit-exact resume needs.
+
+:func:`checkpoint_payload` builds that dict from a run's :class:`State`;
+:func:`restore_checkpoint` puts one back into a run, or says in one line why it
+does not fit (naming the model and optimizer that wrote it).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +23,8 @@ import torch
 
 from .errors import CheckpointError
 from .rundir import LATEST, RunDir, atomic_write
+from .state import State
+from .versions import library_versions
 
 FORMAT = "slipstream.checkpoint"
 FORMAT_VERSION = 1
@@ -90,3 +97,88 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
             f"this one reads format {FORMAT_VERSION}"
         )
     return payload
+
+
+def checkpoint_payload(state: State, algorithms: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """What a checkpoint of ``state`` holds. ``algorithms`` are the run's plugin
+    records (name, version, distribution, config) in the order of
+    ``state.algorithms`` then ``state.callbacks``; each plugin's ``state_dict()`` is
+    stored beside its record."""
+    plugins = {
+        record["name"]: {**record, "state": plugin.state_dict()}
+        for plugin, record in zip([*state.algorithms, *state.callbacks], algorithms, strict=True)
+    }
+    return {
+        "model": state.unwrapped_model.state_dict(),
+        "optimizer": state.optimizer.state_dict(),
+        "optimizer_class": type(state.optimizer).__name__,
+        "schedulers": [s.state_dict() for s in state.schedulers],
+        "plugins": plugins,
+        "timestamp": state.timestamp.state_dict(),
+        "rng": rng_state(),
+        "config": state.config,
+        "world_size": state.world_size,
+        "versions": library_versions(),
+    }
+
+
+def restore_checkpoint(state: State, path: str | Path, *, verbose: bool = False) -> None:
+    """Load the checkpoint at ``path`` into ``state``: model, optimizer, schedulers,
+    the state of each plugin of this run, timestamp and random generators. Raises
+    CheckpointError when the model or optimizer does not fit it."""
+    path = Path(path)
+    payload = load_checkpoint(path, map_location=state.device)
+    try:
+        state.unwrapped_model.load_state_dict(payload["model"])
+    except RuntimeError as exc:
+        detail = " ".join(str(exc).split())[:400]
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model: {detail}. {written_by(payload, state)}"
+        ) from None
+    # torch loads another optimizer's state without a word and fails at the
+    # first step, so the class is compared first (older checkpoints lack it).
+    saved_class = payload.get("optimizer_class")
+    try:
+        if saved_class not in (None, type(state.optimizer).__name__):
+            raise ValueError(f"it holds the state of {saved_class}")
+        state.optimizer.load_state_dict(payload["optimizer"])
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path}: optimizer state does not fit {type(state.optimizer).__name__} "
+            f"({exc}). {written_by(payload, state)}"
+        ) from None
+    for scheduler, saved in zip(state.schedulers, payload.get("schedulers", []), strict=False):
+        scheduler.load_state_dict(saved)
+    saved_plugins = payload.get("plugins", {})
+    everyone = [*state.algorithms, *state.callbacks]
+    for plugin in everyone:
+        if plugin.name in saved_plugins:
+            plugin.load_state_dict(saved_plugins[plugin.name]["state"])
+    missing = sorted(set(saved_plugins) - {p.name for p in everyone})
+    if missing and verbose:
+        print(
+            f"slipstream: checkpoint state of {', '.join(missing)} not used (not in this run)",
+            file=sys.stderr,
+        )
+    state.timestamp.load_state_dict(payload["timestamp"])
+    set_rng_state(payload["rng"])
+    if verbose:
+        ts = state.timestamp
+        print(
+            f"slipstream: resumed from {path} at epoch {ts.epoch}, batch {ts.batch}",
+            file=sys.stderr,
+        )
+
+
+def written_by(payload: Mapping[str, Any], state: State) -> str:
+    """What wrote the checkpoint ``payload`` against what ``state`` runs, for an
+    error about a checkpoint that does not fit."""
+    saved = payload.get("config") or {}
+    model = (saved.get("model") or {}).get("name", "unknown")
+    optimizer = (saved.get("optimizer") or {}).get("name", "unknown")
+    return (
+        f"It was written by a run of model {model!r} with optimizer {optimizer!r}; "
+        f"this run has {type(state.unwrapped_model).__name__} and "
+        f"{type(state.optimizer).__name__}. Resume with the same model and optimizer, "
+        "or start afresh without load_path"
+    )

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
+
+from .errors import ConfigError
 
 # Wall-clock units are normalised to seconds so that one unit ("s") covers them all.
 _WALL_CLOCK = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -58,3 +61,35 @@ class Duration:
     def __str__(self) -> str:
         value = int(self.value) if float(self.value).is_integer() else self.value
         return f"{value}{self.unit}"
+
+
+def parse_duration_option(
+    algorithm: str,
+    key: str,
+    value: str | Duration,
+    *,
+    positive: bool = False,
+    units: Collection[str] | None = None,
+) -> Duration:
+    """A duration from a plugin's config key, or a ConfigError naming the algorithm
+    and the key: ``value`` must parse, be above zero with ``positive``, and be in
+    one of ``units`` when given.
+
+    >>> parse_duration_option("ema", "half_life", "50ba", positive=True)
+    Duration(value=50.0, unit='ba')
+    >>> parse_duration_option("ema", "half_life", "10m", units=("ba", "ep", "sp", "dur"))
+    Traceback (most recent call last):
+    ...
+    slipstream.errors.ConfigError: algorithms.ema: half_life must be a duration in ba, ep, sp or dur, got '10m'
+    """
+    try:
+        duration = Duration.parse(value)
+    except DurationError as exc:
+        raise ConfigError(f"algorithms.{algorithm}: {key}: {exc}") from None
+    if (positive and duration.value <= 0) or (units is not None and duration.unit not in units):
+        names = list(units or ())
+        within = f" in {', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else ""
+        within = within or (f" in {names[0]}" if names else "")
+        kind = "a positive duration" if positive else "a duration"
+        raise ConfigError(f"algorithms.{algorithm}: {key} must be {kind}{within}, got {value!r}")
+    return duration

@@ -160,6 +160,8 @@ def build_config(cls: type[Plugin], options: dict[str, Any] | None) -> Any:
         field_type = getattr(fields.get(str(key)), "type", None)
         allowed = f"; expected {_type_name(field_type)}" if field_type is not None else ""
         raise ConfigError(f"{name}.{key}: {_first_line(exc)}{allowed}") from None
+    except ConfigError:  # already names the plugin and key (parse_duration_option)
+        raise
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{name}: {exc}") from None
 
@@ -331,6 +333,13 @@ def config_as_dict(algo: Plugin) -> dict[str, Any]:
     if dataclasses.is_dataclass(cfg):
         return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
     return dict(cfg) if isinstance(cfg, dict) else {"value": repr(cfg)}
+
+
+def algorithm_record(algo: Plugin, distribution: tuple[str, str]) -> dict[str, Any]:
+    """How checkpoints and summary.json name an algorithm (or callback) of the run:
+    name, version, distribution and config (``distribution`` from :func:`distribution_of`)."""
+    dist, version = distribution
+    return {"name": algo.name, "version": version, "distribution": dist, "config": config_as_dict(algo)}
 
 
 def _type_name(tp: Any) -> str:

@@ -23,11 +23,16 @@ import math
 import os
 import re
 import secrets
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
+
+import yaml
+
+from .errors import ConfigError
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -135,6 +140,64 @@ def new_run_dir(label: str = "run", parent: str | Path = "runs") -> Path:
         n += 1
         path = Path(parent) / f"{label}-{stamp}-{n}"
     return path
+
+
+# --------------------------------------------------------------------------- policy
+
+
+def resumes_in(paths: RunDir, load_path: Path | None) -> bool:
+    """Whether a run resuming from ``load_path`` continues the one in ``paths``
+    (its checkpoint is in there)."""
+    return load_path is not None and paths.root.resolve() in load_path.resolve().parents
+
+
+def choose_run_dir(run_dir: str | Path | None, *, overwrite: bool, load_path: Path | None) -> RunDir:
+    """The run directory a new run may use: ``run_dir`` (a fresh one under runs/
+    when None), refused when it holds another run that neither ``overwrite`` nor a
+    resume from it allows replacing. Nothing is written."""
+    paths = RunDir(Path(run_dir) if run_dir is not None else new_run_dir("run"))
+    held = paths.holds_run()
+    resuming_here = resumes_in(paths, load_path)
+    if resuming_here and overwrite:
+        raise ConfigError(
+            f"trainer.overwrite=true would delete {load_path}, the checkpoint this run "
+            f"resumes from; drop trainer.overwrite to continue the run in {paths.root}, "
+            "or choose another trainer.run_dir"
+        )
+    if held and not (overwrite or resuming_here):
+        resume = (
+            f"resume it with trainer.load_path={paths.latest}, " if paths.latest.is_file() else ""
+        )
+        raise ConfigError(
+            f"run directory {paths.root} already holds a run ({', '.join(held[:3])}); "
+            f"choose another trainer.run_dir, {resume}or set trainer.overwrite=true"
+        )
+    return paths
+
+
+def prepare_run_dir(
+    paths: RunDir,
+    *,
+    overwrite: bool,
+    load_path: Path | None,
+    config: dict[str, Any] | None,
+    verbose: bool = False,
+) -> None:
+    """Make the run directory this run's alone, once set-up has succeeded (so a
+    start that fails leaves an earlier run intact): overwrite clears the files of
+    the contract, and so does a retry after a start that failed before writing any
+    record or checkpoint. A resumed run keeps its files. Writes config.yaml."""
+    if not resumes_in(paths, load_path) and (overwrite or not paths.holds_run()):
+        removed = paths.clear()
+        if removed and verbose and overwrite:
+            print(
+                f"slipstream: trainer.overwrite: removed {len(removed)} files of the "
+                f"previous run in {paths.root}",
+                file=sys.stderr,
+            )
+    paths.root.mkdir(parents=True, exist_ok=True)
+    if config:
+        atomic_write_text(paths.config, yaml.safe_dump(config, sort_keys=False))
 
 
 # --------------------------------------------------------------------------- writing

@@ -92,6 +92,8 @@ class State:
 
     # The algorithms of this run, in their resolved order.
     algorithms: list[Any] = field(default_factory=list)
+    # The callbacks of this run, in the order given.
+    callbacks: list[Any] = field(default_factory=list)
     # Results of the last evaluation: {"loss": float, "accuracy": float}.
     eval_metrics: dict[str, float] = field(default_factory=dict)
     # Extra scalars for the next train record of metrics.jsonl (tensors allowed:
@@ -110,6 +112,7 @@ class State:
 
     _clock_start: float = field(default_factory=time.perf_counter, repr=False)
     _elapsed_before: float = field(default=0.0, repr=False)
+    _samples_before: int = field(default=0, repr=False)
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -129,8 +132,22 @@ class State:
     # -- time ------------------------------------------------------------------
 
     def start_clock(self) -> None:
+        """Start this session's clock where the timestamp stands (a resumed run
+        continues its elapsed time and samples)."""
         self._elapsed_before = self.timestamp.elapsed_s
+        self._samples_before = self.timestamp.samples
         self._clock_start = time.perf_counter()
+
+    @property
+    def session_elapsed_s(self) -> float:
+        """Seconds of this session as of the last :meth:`tick`: the run's elapsed
+        time less the sessions before a resume."""
+        return self.timestamp.elapsed_s - self._elapsed_before
+
+    @property
+    def session_samples(self) -> int:
+        """Training samples seen in this session (over all ranks)."""
+        return self.timestamp.samples - self._samples_before
 
     def tick(self) -> float:
         """Refresh and return ``timestamp.elapsed_s`` (host clock: no device sync)."""

@@ -7,7 +7,6 @@ calls the step hooks and advances time.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,13 +14,12 @@ from typing import Any
 
 import pluggy
 import torch
-import yaml
 from torch import nn
 
 from . import hookspecs
 from .algorithm import Algorithm
 from .callback import Callback
-from .checkpoint import load_checkpoint, rng_state, set_rng_state
+from .checkpoint import checkpoint_payload, restore_checkpoint
 from .distributed import init_distributed, is_distributed, resolve_device
 from .duration import Duration
 from .errors import CheckpointError, ConfigError, PluginError
@@ -33,6 +31,7 @@ from .plugins import (
     ENTRY_POINT_GROUP,
     GROUPS,
     AlgorithmInfo,
+    algorithm_record,
     check_callbacks,
     check_callbacks_observe,
     check_hook_names,
@@ -42,7 +41,7 @@ from .plugins import (
     instantiate,
     resolve_order,
 )
-from .rundir import RunDir, atomic_write_text, new_run_dir
+from .rundir import choose_run_dir, prepare_run_dir
 from .services import (
     Checkpointer,
     DefaultSteps,
@@ -58,7 +57,6 @@ from .services.batches import to_device
 from .services.divergence import DivergenceMonitor
 from .services.target import check_target
 from .state import State, unwrap_model
-from .versions import library_versions
 
 
 def _noop(**_: Any) -> None:
@@ -169,8 +167,8 @@ class Trainer:
             # Checked before anything is built or written, so the retry starts clean.
             raise CheckpointError(f"trainer.load_path: checkpoint {self.load_path} does not exist")
         self.overwrite = overwrite
-        self.run_dir = self._choose_run_dir(run_dir, overwrite)
-        self.paths = RunDir(self.run_dir)
+        self.paths = choose_run_dir(run_dir, overwrite=overwrite, load_path=self.load_path)
+        self.run_dir = self.paths.root
         self.summary: dict[str, Any] = {}
 
         self.state = State(
@@ -188,6 +186,7 @@ class Trainer:
             run_dir=self.run_dir,
             config=self.config,
             algorithms=list(self.algorithms),
+            callbacks=list(self.callbacks),
         )
         self.state.batches_per_epoch = _batches_per_epoch(train_data)
         batch_size = getattr(train_data, "batch_size", None)
@@ -261,52 +260,6 @@ class Trainer:
             return names
         return names | set(self._installed_of(ENTRY_POINT_GROUP))
 
-    def _choose_run_dir(self, run_dir: str | Path | None, overwrite: bool) -> Path:
-        paths = RunDir(Path(run_dir) if run_dir is not None else new_run_dir("run"))
-        held = paths.holds_run()
-        resuming_here = self._resumes_in(paths)
-        if resuming_here and overwrite:
-            raise ConfigError(
-                f"trainer.overwrite=true would delete {self.load_path}, the checkpoint this run "
-                f"resumes from; drop trainer.overwrite to continue the run in {paths.root}, "
-                "or choose another trainer.run_dir"
-            )
-        if held and not (overwrite or resuming_here):
-            resume = (
-                f"resume it with trainer.load_path={paths.latest}, "
-                if paths.latest.is_file()
-                else ""
-            )
-            raise ConfigError(
-                f"run directory {paths.root} already holds a run ({', '.join(held[:3])}); "
-                f"choose another trainer.run_dir, {resume}or set trainer.overwrite=true"
-            )
-        return paths.root
-
-    def _resumes_in(self, paths: RunDir) -> bool:
-        """Whether this run continues the one in ``paths`` (its checkpoint is in there)."""
-        return self.load_path is not None and paths.root.resolve() in (
-            self.load_path.resolve().parents
-        )
-
-    def _prepare_run_dir(self) -> None:
-        """Make the run directory this run's alone, once set-up has succeeded (so a
-        start that fails leaves an earlier run intact): overwrite clears the files of
-        the contract, and so does a retry after a start that failed before writing
-        any record or checkpoint. A resumed run keeps its files."""
-        paths = self.paths
-        if not self._resumes_in(paths) and (self.overwrite or not paths.holds_run()):
-            removed = paths.clear()
-            if removed and self.verbose and self.overwrite:
-                print(
-                    f"slipstream: trainer.overwrite: removed {len(removed)} files of the "
-                    f"previous run in {paths.root}",
-                    file=sys.stderr,
-                )
-        paths.root.mkdir(parents=True, exist_ok=True)
-        if self.config:
-            atomic_write_text(paths.config, yaml.safe_dump(self.config, sort_keys=False))
-
     def _register(
         self,
         *,
@@ -325,7 +278,14 @@ class Trainer:
             self.pm.register(callback, name=callback.name)
         self._defaults = DefaultSteps()
         self.pm.register(self._defaults, name=DefaultSteps.name)
-        self.summary_writer = SummaryWriter(self.run_dir, self._build_summary, write=write)
+        self.summary_writer = SummaryWriter(
+            self.run_dir,
+            self._algorithm_records,
+            callback_records=self._callback_records,
+            utilization=self.utilization,
+            target=self.target,
+            write=write,
+        )
         self.pm.register(self.summary_writer, name=SummaryWriter.name)
         self.divergence = DivergenceMonitor(log_interval, self.on_nonfinite)
         self.checkpointer = Checkpointer(
@@ -415,12 +375,17 @@ class Trainer:
             pm.hook.init(state=state)
             self._check_hooks()  # init may have registered helpers
             if self.load_path is not None:
-                self._resume(self.load_path)
+                restore_checkpoint(state, self.load_path, verbose=self.verbose)
             self._wrap_distributed()
             self._bind_hooks()
             if state.rank == 0:
-                self._prepare_run_dir()
-            self._session_samples = state.timestamp.samples
+                prepare_run_dir(
+                    self.paths,
+                    overwrite=self.overwrite,
+                    load_path=self.load_path,
+                    config=self.config,
+                    verbose=self.verbose,
+                )
             state.start_clock()
             self._hooks.fit_start(state=state)
             self._loop()
@@ -438,50 +403,52 @@ class Trainer:
         return self.summary
 
     def _loop(self) -> None:
-        state, h = self.state, self._hooks
-        ts = state.timestamp
-        while not state.is_done():
-            h.epoch_start(state=state)
-            batches = self._epoch_batches()
-            seen_any = False
-            for batch in batches:
-                seen_any = True
-                state.batch = to_device(batch, self.device)
-                samples = len(state.batch[0]) * state.world_size
-                h.batch_start(state=state)
-                self.normalize.prepare(state)
-                h.before_forward(state=state)
-                state.outputs = h.forward(state=state)
-                h.after_forward(state=state)
-                state.loss = h.compute_loss(state=state)
-                h.after_loss(state=state)
-                h.before_backward(state=state)
-                h.backward(state=state)
-                h.after_backward(state=state)
-                if h.should_step(state=state):
-                    h.before_optimizer_step(state=state)
-                    state.step_skipped = h.optimizer_step(state=state) is False
-                    state.optimizer.zero_grad(set_to_none=True)
-                    ts.optimizer_steps += 1
-                    h.after_optimizer_step(state=state)
-                ts.batch += 1
-                ts.batch_in_epoch += 1
-                ts.samples += samples
-                state.tick()
-                h.batch_end(state=state)
-                if state.is_done():
-                    break
-            if not seen_any and ts.batch_in_epoch == 0:
-                raise ConfigError(
-                    "the training data yielded no batches; check the dataset and batch size"
-                )
-            epoch_complete = (
-                state.batches_per_epoch is None or ts.batch_in_epoch >= state.batches_per_epoch
-            )
-            if not state.is_done() or epoch_complete:
-                ts.epoch += 1
-                ts.batch_in_epoch = 0
-                h.epoch_end(state=state)
+        while not self.state.is_done():
+            self._run_epoch()
+
+    def _run_epoch(self) -> None:
+        state, h, ts = self.state, self._hooks, self.state.timestamp
+        h.epoch_start(state=state)
+        seen_any = False
+        for batch in self._epoch_batches():
+            seen_any = True
+            self._train_batch(batch)
+            if state.is_done():
+                break
+        if not seen_any and ts.batch_in_epoch == 0:
+            raise ConfigError("the training data yielded no batches; check the dataset and batch size")
+        # A run that stops mid-epoch has not completed it (a resume continues there).
+        epoch_complete = state.batches_per_epoch is None or ts.batch_in_epoch >= state.batches_per_epoch
+        if not state.is_done() or epoch_complete:
+            ts.epoch += 1
+            ts.batch_in_epoch = 0
+            h.epoch_end(state=state)
+
+    def _train_batch(self, batch: Any) -> None:
+        state, h, ts = self.state, self._hooks, self.state.timestamp
+        state.batch = to_device(batch, self.device)
+        samples = len(state.batch[0]) * state.world_size
+        h.batch_start(state=state)
+        self.normalize.prepare(state)
+        h.before_forward(state=state)
+        state.outputs = h.forward(state=state)
+        h.after_forward(state=state)
+        state.loss = h.compute_loss(state=state)
+        h.after_loss(state=state)
+        h.before_backward(state=state)
+        h.backward(state=state)
+        h.after_backward(state=state)
+        if h.should_step(state=state):
+            h.before_optimizer_step(state=state)
+            state.step_skipped = h.optimizer_step(state=state) is False
+            state.optimizer.zero_grad(set_to_none=True)
+            ts.optimizer_steps += 1
+            h.after_optimizer_step(state=state)
+        ts.batch += 1
+        ts.batch_in_epoch += 1
+        ts.samples += samples
+        state.tick()
+        h.batch_end(state=state)
 
     def _epoch_batches(self) -> Iterable[Any]:
         loader, ts = self.state.train_loader, self.state.timestamp
@@ -506,128 +473,16 @@ class Trainer:
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.state.model = nn.parallel.DistributedDataParallel(self.state.model, device_ids=ids)
 
-    # -- checkpoints and summary -------------------------------------------------------
+    # -- what checkpoints and the summary record -------------------------------------
 
-    def _algorithm_records(self, plugins: Sequence[Any] | None = None) -> list[dict[str, Any]]:
-        """name, version, distribution and config of each algorithm (or of ``plugins``)."""
-        records = []
-        for algo in self.algorithms if plugins is None else plugins:
-            dist, version = self._distributions[algo.name]
-            records.append(
-                {
-                    "name": algo.name,
-                    "version": version,
-                    "distribution": dist,
-                    "config": config_as_dict(algo),
-                }
-            )
-        return records
+    def _algorithm_records(self) -> list[dict[str, Any]]:
+        return [algorithm_record(a, self._distributions[a.name]) for a in self.algorithms]
+
+    def _callback_records(self) -> list[dict[str, Any]]:
+        return [algorithm_record(c, self._distributions[c.name]) for c in self.callbacks]
 
     def _checkpoint_payload(self, state: State) -> dict[str, Any]:
-        everyone = [*self.algorithms, *self.callbacks]
-        plugins = {
-            record["name"]: {**record, "state": plugin.state_dict()}
-            for plugin, record in zip(everyone, self._algorithm_records(everyone), strict=True)
-        }
-        return {
-            "model": state.unwrapped_model.state_dict(),
-            "optimizer": state.optimizer.state_dict(),
-            "optimizer_class": type(state.optimizer).__name__,
-            "schedulers": [s.state_dict() for s in state.schedulers],
-            "plugins": plugins,
-            "timestamp": state.timestamp.state_dict(),
-            "rng": rng_state(),
-            "config": self.config,
-            "world_size": state.world_size,
-            "versions": library_versions(),
-        }
-
-    def _resume(self, path: Path) -> None:
-        state = self.state
-        payload = load_checkpoint(path, map_location=self.device)
-        try:
-            state.unwrapped_model.load_state_dict(payload["model"])
-        except RuntimeError as exc:
-            detail = " ".join(str(exc).split())[:400]
-            raise CheckpointError(
-                f"checkpoint {path} does not fit this model: {detail}. {self._written_by(payload)}"
-            ) from None
-        # torch loads another optimizer's state without a word and fails at the
-        # first step, so the class is compared first (older checkpoints lack it).
-        saved_class = payload.get("optimizer_class")
-        try:
-            if saved_class not in (None, type(state.optimizer).__name__):
-                raise ValueError(f"it holds the state of {saved_class}")
-            state.optimizer.load_state_dict(payload["optimizer"])
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError(
-                f"checkpoint {path}: optimizer state does not fit {type(state.optimizer).__name__} "
-                f"({exc}). {self._written_by(payload)}"
-            ) from None
-        for scheduler, saved in zip(state.schedulers, payload.get("schedulers", []), strict=False):
-            scheduler.load_state_dict(saved)
-        saved_plugins = payload.get("plugins", {})
-        everyone = [*self.algorithms, *self.callbacks]
-        for plugin in everyone:
-            if plugin.name in saved_plugins:
-                plugin.load_state_dict(saved_plugins[plugin.name]["state"])
-        missing = sorted(set(saved_plugins) - {p.name for p in everyone})
-        if missing and self.verbose:
-            print(
-                f"slipstream: checkpoint state of {', '.join(missing)} not used (not in this run)",
-                file=sys.stderr,
-            )
-        state.timestamp.load_state_dict(payload["timestamp"])
-        set_rng_state(payload["rng"])
-        if self.verbose:
-            ts = state.timestamp
-            print(
-                f"slipstream: resumed from {path} at epoch {ts.epoch}, batch {ts.batch}",
-                file=sys.stderr,
-            )
-
-    def _written_by(self, payload: dict[str, Any]) -> str:
-        saved = payload.get("config") or {}
-        model = (saved.get("model") or {}).get("name", "unknown")
-        optimizer = (saved.get("optimizer") or {}).get("name", "unknown")
-        return (
-            f"It was written by a run of model {model!r} with optimizer {optimizer!r}; "
-            f"this run has {type(self.state.unwrapped_model).__name__} and "
-            f"{type(self.state.optimizer).__name__}. Resume with the same model and optimizer, "
-            "or start afresh without load_path"
-        )
-
-    def _build_summary(self, state: State, status: str) -> dict[str, Any]:
-        ts = state.timestamp
-        session_s = max(
-            ts.elapsed_s - state._elapsed_before - state.summary.get("eval_time_s", 0.0), 1e-9
-        )
-        session_samples = ts.samples - getattr(self, "_session_samples", 0)
-        reached = self.target.reached_s if self.target is not None else None
-        return {
-            "status": status,
-            "accuracy": state.eval_metrics.get("accuracy"),
-            "eval_loss": state.eval_metrics.get("loss"),
-            "wall_time_s": round(ts.elapsed_s, 3),
-            "samples_per_s": session_samples / session_s,
-            **self.utilization.summary(state, session_s),
-            "target_accuracy": self.target_accuracy,
-            "time_to_target_s": reached,
-            "epochs": ts.epoch,
-            "batches": ts.batch,
-            "samples": ts.samples,
-            "optimizer_steps": ts.optimizer_steps,
-            "max_duration": str(state.max_duration),
-            "algorithms": self._algorithm_records(),
-            "callbacks": self._algorithm_records(self.callbacks),
-            "versions": library_versions(),
-            "device": str(self.device),
-            "world_size": state.world_size,
-            "threads": torch.get_num_threads(),
-            "run_dir": str(self.run_dir),
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            **state.summary,
-        }
+        return checkpoint_payload(state, [*self._algorithm_records(), *self._callback_records()])
 
 
 def _batches_per_epoch(loader: Any) -> int | None:

@@ -198,6 +198,44 @@ def test_state_is_saved_and_restored(tmp_path):
     assert resumed.state.timestamp.batch == 12 and restored.size == (15, 15)
 
 
+def _inputs_probe(stop_at: int | None = None) -> tuple[Probe, dict[int, torch.Tensor]]:
+    """Records the model's training inputs by step; stops the run after ``stop_at``."""
+    inputs: dict[int, torch.Tensor] = {}
+
+    def batch_end(state):
+        if state.timestamp.batch == stop_at:
+            state.stop_requested = True
+
+    probe = Probe(
+        before_forward=lambda s: inputs.__setitem__(s.timestamp.batch + 1, s.batch[0].clone()),
+        batch_end=batch_end,
+    )
+    return probe, inputs
+
+
+def test_a_run_resumed_mid_schedule_trains_on_the_same_sizes_and_crops(tmp_path):
+    # What a resume must restore is the schedule's position and the random crops:
+    # the batches after the resume equal those of the run that was never stopped.
+    options = {"delay": 0, "finetune": 0, "initial_scale": 0.25, "mode": "random_crop"}
+    whole_probe, whole = _inputs_probe()
+    train(tmp_path / "whole", [curriculum(**options), whole_probe], max_duration="2ep", eval_interval=None)
+    first_probe, _ = _inputs_probe(stop_at=5)  # mid-epoch, mid-ramp
+    first = train(tmp_path / "split", [curriculum(**options), first_probe], max_duration="2ep", eval_interval=None)
+    assert first.state.timestamp.batch == 5
+    probe, after = _inputs_probe()
+    train(
+        tmp_path / "split",
+        [curriculum(**options), probe],
+        max_duration="2ep",
+        eval_interval=None,
+        load_path=first.run_dir / "checkpoints" / "latest.pt",
+    )
+    assert sorted(after) == [6, 7, 8]
+    assert [whole[step].shape[-1] for step in after] == [12, 13, 15]  # still growing
+    for step, batch in after.items():
+        assert torch.equal(batch, whole[step]), f"step {step} differs after the resume"
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

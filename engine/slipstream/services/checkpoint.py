@@ -21,6 +21,7 @@ from ..checkpoint import load_checkpoint, nonfinite_tensors, save_checkpoint
 from ..duration import Duration
 from ..errors import CheckpointError, ConfigError
 from ..hookspecs import hookimpl
+from ..interval import RunInterval
 from ..rundir import RunDir
 from ..state import State
 
@@ -56,10 +57,9 @@ class Checkpointer:
         self.build_payload = build_payload
         # Asked before each save (the divergence check); False means do not save.
         self.guard = guard
-        self.interval = Duration.parse(interval) if interval else None
+        self.interval = RunInterval(interval)
         self.keep = keep
         self.write = write
-        self._next: float | None = None
         self._written: list[Path] = []
         self._last_saved_batch: int | None = None
         self.best_metric = check_best_metric(best_metric)
@@ -67,9 +67,7 @@ class Checkpointer:
 
     @hookimpl
     def fit_start(self, state: State) -> None:
-        if self.interval is not None:
-            now = state.time_in(self.interval.unit)
-            self._next = (now // self.interval.value + 1) * self.interval.value
+        self.interval.start(state)
         if state.timestamp.batch > 0 and self.paths.best.is_file():
             # A resumed run: the best so far is the one best.pt holds.
             try:
@@ -79,35 +77,25 @@ class Checkpointer:
             if isinstance(saved, dict) and saved.get("metric") == self.best_metric:
                 self.best = saved
 
-    def _due(self, state: State) -> bool:
-        if self.interval is None or self._next is None:
-            return False
-        now = state.time_in(self.interval.unit)
-        if now + 1e-9 < self._next:
-            return False
-        while now + 1e-9 >= self._next:
-            self._next += self.interval.value
-        return True
-
     @hookimpl
     def batch_end(self, state: State) -> None:
-        if self.interval is not None and self.interval.unit != "ep" and self._due(state):
+        if self.interval.due_at_batch_end(state):
             self.save(state)
 
     @hookimpl
     def epoch_end(self, state: State) -> None:
-        if self.interval is not None and self.interval.unit == "ep" and self._due(state):
+        if self.interval.due_at_epoch_end(state):
             self.save(state)
 
     @hookimpl
     def fit_end(self, state: State) -> None:
         # No interval means no checkpoints at all, not "only the last one".
-        if self.interval is not None and self._last_saved_batch != state.timestamp.batch:
+        if self.interval.enabled and self._last_saved_batch != state.timestamp.batch:
             self.save(state)
 
     @hookimpl
     def eval_end(self, state: State) -> None:
-        if self.interval is None or self.best_metric is None:
+        if not self.interval.enabled or self.best_metric is None:
             return
         value = state.eval_metrics.get(self.best_metric)
         # Eval metrics are the same on every rank (all-reduced): all ranks agree here.

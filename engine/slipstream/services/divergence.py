@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..hookspecs import hookimpl
+from ..interval import Interval
 from ..state import State
 
 ON_NONFINITE = ("stop", "warn")
@@ -39,10 +40,15 @@ class DivergenceMonitor:
 
     def __init__(self, log_interval: int = 20, on_nonfinite: str = "stop") -> None:
         self.log_interval = log_interval
+        self._every = Interval(log_interval)
         self.on_nonfinite = check_on_nonfinite(on_nonfinite)
         self._losses: list[torch.Tensor] = []
         self._steps: list[int] = []
         self.nonfinite_steps = 0
+
+    @hookimpl
+    def fit_start(self, state: State) -> None:
+        self._every = Interval.after(self.log_interval, state.timestamp.batch)
 
     @hookimpl
     def after_loss(self, state: State) -> None:
@@ -52,7 +58,7 @@ class DivergenceMonitor:
 
     @hookimpl
     def batch_end(self, state: State) -> None:
-        if state.timestamp.batch % self.log_interval == 0:
+        if self._every.due(state.timestamp.batch):
             self.check(state)
 
     def check(self, state: State) -> bool:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..duration import Duration
 from ..hookspecs import hookimpl
+from ..interval import RunInterval
 from ..state import State
 from .batches import to_device
 
@@ -28,34 +29,22 @@ class Evaluator:
         self.hooks = hooks
         # The loop's explicit input step (normalisation), run after eval_batch_start.
         self.prepare = prepare or (lambda state: None)
-        self.interval = Duration.parse(interval) if interval else None
-        self._next: float | None = None
+        self.interval = RunInterval(interval)
         self._last_eval_batch: int | None = None
 
     @hookimpl
     def fit_start(self, state: State) -> None:
-        if self.interval is not None:
-            now = state.time_in(self.interval.unit)
-            self._next = (now // self.interval.value + 1) * self.interval.value
-
-    def _due(self, state: State) -> bool:
-        if self.interval is None or self._next is None:
-            return False
-        if state.time_in(self.interval.unit) + 1e-9 >= self._next:
-            while state.time_in(self.interval.unit) + 1e-9 >= self._next:
-                self._next += self.interval.value
-            return True
-        return False
+        self.interval.start(state)
 
     @hookimpl
     def batch_end(self, state: State) -> None:
-        whole_epochs = self.interval is not None and self.interval.unit == "ep"
-        if not whole_epochs and not state.is_done() and self._due(state):
+        # The last batch is evaluated by fit_end, once.
+        if not state.is_done() and self.interval.due_at_batch_end(state):
             self.evaluate(state)
 
     @hookimpl
     def epoch_end(self, state: State) -> None:
-        if self.interval is not None and self.interval.unit == "ep" and self._due(state):
+        if self.interval.due_at_epoch_end(state):
             self.evaluate(state)
 
     @hookimpl(tryfirst=True)
@@ -66,7 +55,7 @@ class Evaluator:
         # is short); diverged weights are not worth evaluating.
         if state.stop_status in ("interrupted", "diverged"):
             return
-        if self.interval is not None and self._last_eval_batch != state.timestamp.batch:
+        if self.interval.enabled and self._last_eval_batch != state.timestamp.batch:
             self.evaluate(state)
 
     def evaluate(self, state: State) -> dict[str, float]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..hookspecs import hookimpl
+from ..interval import Interval
 from ..rundir import METRICS, atomic_write_text, strict_json
 from ..state import State
 from .utilization import Utilization
@@ -65,6 +66,7 @@ class MetricsLogger:
         # The plugin manager's hook relay, for log_metrics (None: nobody is told).
         self.hooks = hooks
         self.log_interval = log_interval
+        self._every = Interval(log_interval)
         self.utilization = utilization
         self._flops_at_last: float | None = 0.0
         self._file: Any = None
@@ -86,6 +88,7 @@ class MetricsLogger:
             if self.path.is_file():  # a resumed run: its log continues from here
                 truncate_log(self.path, state.timestamp.batch)
             self._file = self.path.open("a", buffering=1)
+        self._every = Interval.after(self.log_interval, state.timestamp.batch)
         self._samples_at_last = state.timestamp.samples
         self._time_at_last = state.tick()
         self._flops_at_last = self._flops()
@@ -98,7 +101,7 @@ class MetricsLogger:
 
     @hookimpl
     def batch_end(self, state: State) -> None:
-        if state.timestamp.batch % self.log_interval == 0 or state.is_done():
+        if self._every.due(state.timestamp.batch) or state.is_done():
             self.log_train(state)
 
     def log_train(self, state: State) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..hookspecs import hookimpl
+from ..interval import Interval
 from ..state import State
 
 REFRESH_S = 0.5  # seconds between redraws
@@ -26,7 +27,7 @@ class ProgressBar:
         self.refresh_s = REFRESH_S if refresh_s is None else refresh_s
         self.bar: Any = None
         self._wall_clock = False
-        self._next_refresh = 0.0
+        self._redraw = Interval(self.refresh_s)
 
     def _total(self, state: State) -> int | None:
         total = state.max_duration
@@ -54,15 +55,14 @@ class ProgressBar:
             file=self.file or sys.stderr,
             leave=True,
         )
-        self._next_refresh = 0.0
+        # The first batch draws; then one redraw per refresh_s.
+        now = time.monotonic()
+        self._redraw = Interval(self.refresh_s, origin=now, next=now)
 
     @hookimpl
     def batch_end(self, state: State) -> None:
-        now = time.monotonic()
-        if now < self._next_refresh or self.bar is None:
-            return
-        self._next_refresh = now + self.refresh_s
-        self._refresh(state)
+        if self._redraw.due(time.monotonic()) and self.bar is not None:
+            self._refresh(state)
 
     def _refresh(self, state: State) -> None:
         self._postfix(state)

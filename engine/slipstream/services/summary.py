@@ -4,17 +4,26 @@ Written atomically and durably, as strict JSON (a non-finite value becomes null 
 is named in ``"nonfinite"``). Nothing is written for a run that failed before it
 started (a bad checkpoint, a plugin's ``init``): such a start leaves no summary to
 block the retry or to overwrite an earlier run's.
+
+Throughput and MFU are this session's (a resumed run's earlier sessions left out),
+per second of training: evaluation time is taken out.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..hookspecs import hookimpl
 from ..rundir import SUMMARY, atomic_write_text, strict_json
 from ..state import State
+from ..versions import library_versions
+from .target import TargetAccuracy
+from .utilization import Utilization
 
 
 class SummaryWriter:
@@ -23,17 +32,57 @@ class SummaryWriter:
     def __init__(
         self,
         run_dir: Path,
-        build_summary: Callable[[State, str], dict[str, Any]],
+        algorithm_records: Callable[[], list[dict[str, Any]]],
+        *,
+        callback_records: Callable[[], list[dict[str, Any]]] = list,
+        utilization: Utilization | None = None,
+        target: TargetAccuracy | None = None,
         write: bool = True,
     ) -> None:
+        """``algorithm_records`` / ``callback_records``: the run's algorithms and
+        callbacks as checkpoints record them (name, version, distribution, config);
+        the summary keeps them apart, so that it says which algorithms trained the model."""
         self.path = Path(run_dir) / SUMMARY
-        self.build_summary = build_summary
+        self.algorithm_records = algorithm_records
+        self.callback_records = callback_records
+        self.utilization = utilization
+        self.target = target
         self.write = write
         self.summary: dict[str, Any] = {}
         self._started = False
 
+    def build(self, state: State, status: str) -> dict[str, Any]:
+        """The summary of the run as it stands, with ``status``."""
+        ts = state.timestamp
+        train_s = max(state.session_elapsed_s - state.summary.get("eval_time_s", 0.0), 1e-9)
+        utilization = self.utilization.summary(state, train_s) if self.utilization else {}
+        return {
+            "status": status,
+            "accuracy": state.eval_metrics.get("accuracy"),
+            "eval_loss": state.eval_metrics.get("loss"),
+            "wall_time_s": round(ts.elapsed_s, 3),
+            "samples_per_s": state.session_samples / train_s,
+            **utilization,
+            "target_accuracy": self.target.target if self.target is not None else None,
+            "time_to_target_s": self.target.reached_s if self.target is not None else None,
+            "epochs": ts.epoch,
+            "batches": ts.batch,
+            "samples": ts.samples,
+            "optimizer_steps": ts.optimizer_steps,
+            "max_duration": str(state.max_duration),
+            "algorithms": self.algorithm_records(),
+            "callbacks": self.callback_records(),
+            "versions": library_versions(),
+            "device": str(state.device),
+            "world_size": state.world_size,
+            "threads": torch.get_num_threads(),
+            "run_dir": str(state.run_dir),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **state.summary,
+        }
+
     def _write(self, state: State, status: str, error: BaseException | None = None) -> None:
-        self.summary = self.build_summary(state, status)
+        self.summary = self.build(state, status)
         if state.stop_reason is not None:
             self.summary["stop_reason"] = state.stop_reason
         if error is not None:
