@@ -68,10 +68,11 @@ class Trainer:
 
     ``algorithms`` holds :class:`Algorithm` instances (or installed names, built
     with their default config); ``callbacks`` the same for :class:`Callback`
-    (loggers, profiler, early stopping), called in the order given. ``train_data``/``eval_data`` are any iterables of
-    ``(inputs, targets)`` batches, usually DataLoaders; a DataLoader whose sampler
-    has ``set_epoch(epoch, start_batch)`` (as Slipstream's own) gives an order that
-    depends on the seed and epoch alone and resumes mid-epoch exactly.
+    (loggers, profiler, early stopping), called in the order given.
+    ``train_data``/``eval_data`` are any iterables of ``(inputs, targets)`` batches,
+    usually DataLoaders; a DataLoader whose sampler has ``set_epoch(epoch,
+    start_batch)`` (as Slipstream's own) gives an order that depends on the seed and
+    epoch alone and resumes mid-epoch exactly.
 
     The run-level keywords are :class:`~slipstream.options.TrainerOptions` (kept
     as ``self.options``): validated, then applied as the CLI applies them
