@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 
 import pytest
 from slipstream_wandb import WandB, WandBConfig, resolve_mode
@@ -29,6 +30,8 @@ def wandb_records(path):
         if left < 7 or (kind == 0 and length == 0):  # the block's zero padding
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a record still being written
+            return
         body = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         parts = body if kind in (1, 2) else parts + body  # full/first, middle/last
@@ -36,6 +39,18 @@ def wandb_records(path):
             record = pb.Record()
             record.ParseFromString(parts)
             yield record
+
+
+def finished_records(path, timeout=60.0):
+    """The records once the run's exit record is in the file: run.finish() waits for
+    wandb's service to handle the exit, but the service's writer flushes the file
+    when its stream closes, moments later (under load, after finish has returned)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(wandb_records(path)) if path.stat().st_size > 7 else []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
 
 
 def items(update):
@@ -48,7 +63,7 @@ def test_offline_run_files_hold_every_record_and_the_summary(tmp_path, monkeypat
     (run_folder,) = (trainer.run_dir / "wandb").glob("offline-run-*")
     (run_file,) = run_folder.glob("run-*.wandb")
     history, summary, config = [], {}, {}
-    for record in wandb_records(run_file):
+    for record in finished_records(run_file):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             history.append(items(record.history.item))
