@@ -9,12 +9,12 @@ from slipstream import Callback, State, hookimpl
 
 STATUS = "stopped_early"
 # The metrics of an eval record it may watch, and the direction each improves in.
-MODES = {"accuracy": "max", "loss": "min"}
+MODES = {"accuracy": "max", "accuracy_top5": "max", "loss": "min"}
 
 
 @dataclass
 class EarlyStoppingConfig:
-    monitor: str = "accuracy"  # accuracy | loss, of the eval records
+    monitor: str = "accuracy"  # accuracy | accuracy_top5 | loss, of the eval records
     patience: int = 3  # evaluations without improvement before the run stops
     min_delta: float = 0.0  # an improvement smaller than this does not count
     mode: Optional[str] = None  # max | min; None: max for accuracy, min for loss

@@ -1,9 +1,11 @@
 """The command line: a thin layer over the Python API.
 
 slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [--callbacks a,no:b] [key=value ...]
-slipstream algorithms [--json]
-slipstream callbacks [--json]
+slipstream algorithms [--json] [--check]
+slipstream callbacks [--json] [--check]
 slipstream recipes [--json]
+slipstream sweep --recipe R --trials N [--sweep-dir D] [--metric accuracy] [--direction maximize]
+                 key=loguniform(a,b) key=uniform(a,b) key=int(a,b) key=choice(x,y) [key=value ...]
 slipstream plot RUN_DIR [RUN_DIR ...] [-o runs.png]
 slipstream compare RUN_DIR [RUN_DIR ...] [--target 0.6] [--json]
 """
@@ -82,9 +84,47 @@ def _parser() -> argparse.ArgumentParser:
 
     algos = sub.add_parser("algorithms", help="list installed algorithms")
     algos.add_argument("--json", action="store_true", help="machine-readable output")
+    algos.add_argument(
+        "--check",
+        action="store_true",
+        help="import every plugin and report the ones that fail to load (slower)",
+    )
+
+    sweep = sub.add_parser(
+        "sweep",
+        help="hyper-parameter search over a recipe (optuna: seeded TPE, median pruning)",
+        description="Search hyper-parameters with optuna. Each trial is a run in SWEEP_DIR/trial-NNN; "
+        "the study lives in SWEEP_DIR/study.db, so running the same command again continues it. "
+        "Writes SWEEP_DIR/trials.csv and SWEEP_DIR/best.yaml (train it with --recipe).",
+    )
+    sweep.add_argument("--recipe", "-r", default=None, help="a bundled recipe name or a YAML path (default: 'default')")
+    sweep.add_argument("--trials", "-n", type=int, required=True, help="finished trials the sweep should hold")
+    sweep.add_argument("--sweep-dir", "-d", default=None, help="default: runs/sweep-<recipe>-<date>-<time>")
+    sweep.add_argument("--metric", default="accuracy", help="eval metric: accuracy, accuracy_top5 or loss")
+    sweep.add_argument(
+        "--direction", default=None, choices=("maximize", "minimize"), help="default: the metric's own"
+    )
+    sweep.add_argument(
+        "--pruner-startup-trials",
+        type=int,
+        default=2,
+        metavar="N",
+        help="finished trials before the median pruner prunes (default 2)",
+    )
+    sweep.add_argument(
+        "space",
+        nargs="*",
+        metavar="key=FORM",
+        help="key=loguniform(a,b), key=uniform(a,b), key=int(a,b), key=choice(x,y,...), or a fixed key=value",
+    )
 
     callbacks = sub.add_parser("callbacks", help="list installed callbacks")
     callbacks.add_argument("--json", action="store_true", help="machine-readable output")
+    callbacks.add_argument(
+        "--check",
+        action="store_true",
+        help="import every callback and report the ones that fail to load (slower)",
+    )
 
     recipes = sub.add_parser("recipes", help="list bundled recipes")
     recipes.add_argument("--json", action="store_true", help="machine-readable output")
@@ -119,10 +159,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Options and key=value overrides may come in any order: argparse gives the
     # overrides after the first option back as extras, which join the others in order.
     args, extras = parser.parse_known_args(argv)
-    unknown = [e for e in extras if args.command != "train" or e.startswith("-") or "=" not in e]
+    takes_pairs = args.command in ("train", "sweep")
+    unknown = [e for e in extras if not takes_pairs or e.startswith("-") or "=" not in e]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if extras:
+    if extras and args.command == "sweep":
+        args.space = [*args.space, *extras]
+    elif extras:
         args.overrides = [*args.overrides, *extras]
     if args.command is None:
         parser.print_help()
@@ -256,28 +299,35 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def _algorithms(args: argparse.Namespace) -> int:
-    return _list_plugins(args, "slipstream.algorithms")
+    from .plugins import ENTRY_POINT_GROUP
+
+    return print_plugin_listing(ENTRY_POINT_GROUP, "algorithms", check=args.check, as_json=args.json)
 
 
 def _callbacks(args: argparse.Namespace) -> int:
-    return _list_plugins(args, "slipstream.callbacks")
+    from .plugins import CALLBACKS_GROUP
+
+    return print_plugin_listing(CALLBACKS_GROUP, "callbacks", check=args.check, as_json=args.json)
 
 
-def _list_plugins(args: argparse.Namespace, group: str) -> int:
-    """`slipstream algorithms` / `slipstream callbacks`: the installed plugins of
-    ``group`` (name, distribution, version, summary, or why it failed to load)."""
-    from .plugins import GROUPS, discover
+def print_plugin_listing(group: str, kind: str, *, check: bool, as_json: bool) -> int:
+    """Print the plugins of entry-point ``group`` (``kind`` names them: "algorithms").
 
-    infos = discover(group=group)
-    if args.json:
-        print(json.dumps([info.as_dict() for info in infos.values()], indent=2))
+    From the distributions' metadata, importing no plugin unless ``check``: the
+    listing then costs a fraction of ``import torch``.
+    """
+    from .plugins import list_installed
+
+    infos = list_installed(group, check=check)
+    if as_json:
+        print(json.dumps([info.as_dict() for info in infos], indent=2))
         return 0
     if not infos:
-        print(f"no {GROUPS[group][1]}s installed (entry point group {group!r})")
+        print(f"no {kind} installed (entry point group {group!r})")
         return 0
     rows = [
         (i.name, i.distribution, i.version, f"FAILED TO LOAD: {i.error}" if i.error else i.summary)
-        for i in infos.values()
+        for i in infos
     ]
     widths = [
         max(len(r[c]) for r in rows + [("name", "distribution", "version", "")]) for c in range(3)
@@ -287,6 +337,33 @@ def _list_plugins(args: argparse.Namespace, group: str) -> int:
     )
     for row in rows:
         print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}")
+    if not check:
+        print(f"(plugins not imported; `slipstream {kind} --check` imports each and reports load errors)")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
+    from .recipes import DEFAULT_RECIPE
+    from .rundir import new_run_dir
+
+    try:
+        from .sweep import run_sweep
+    except ImportError as exc:
+        raise ConfigError(
+            f"slipstream sweep needs optuna ({exc}); install it with: pip install 'slipstream[sweep]'"
+        ) from None
+    recipe = args.recipe or DEFAULT_RECIPE
+    sweep_dir = args.sweep_dir or new_run_dir(f"sweep-{Path(recipe).stem}")
+    run_sweep(
+        recipe,
+        args.trials,
+        sweep_dir,
+        args.space,
+        metric=args.metric,
+        direction=args.direction,
+        pruner_startup_trials=args.pruner_startup_trials,
+    )
     return 0
 
 
@@ -336,6 +413,7 @@ _COMMANDS = {
     "algorithms": _algorithms,
     "callbacks": _callbacks,
     "recipes": _recipes,
+    "sweep": _sweep,
     "plot": _plot,
     "compare": _compare,
 }

@@ -98,6 +98,12 @@ augmentation returns float in [0, 1]). A plugin that computes on pixel values ca
 for ``uint8``, nothing for float); one that only moves pixels (crop, flip) may keep
 the dtype. Never normalise here: the engine does.
 
+The targets are class indices (``int64``, ``(N,)``) as the loader yielded them. A
+mixing plugin (``mixup``, ``cutmix``) replaces them at ``batch_start`` with class
+probabilities, float ``(N, num_classes)`` whose rows sum to 1, which torch's
+cross-entropy (the default loss) takes as they are; evaluation targets are always
+class indices.
+
 From ``before_forward`` on, and at ``eval_batch_end``, the inputs are what the model
 receives: float32, normalised with the dataset's mean and std (``data.normalize``;
 without it, in [0, 1]; a float batch without normalisation is left as it is), in
@@ -284,7 +290,8 @@ def eval_batch_end(state: State) -> None:
 
 @hookspec
 def eval_end(state: State) -> None:
-    """Evaluation is done: ``state.eval_metrics`` holds ``loss`` and ``accuracy``.
+    """Evaluation is done: ``state.eval_metrics`` holds ``loss`` and ``accuracy``
+    (and ``accuracy_top5`` when the model has at least 5 classes).
     The model is still in eval mode (restore swapped weights here)."""
 
 

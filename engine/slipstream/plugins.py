@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import warnings
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ GROUPS: dict[str, tuple[type[Plugin], str]] = {
 
 @dataclass
 class AlgorithmInfo:
-    """One entry point of the ``slipstream.algorithms`` group (or of ``group``)."""
+    """One entry point of a plugin group (``slipstream.algorithms`` by default)."""
 
     name: str
     distribution: str
@@ -41,7 +42,8 @@ class AlgorithmInfo:
     cls: type[Plugin] | None = None
     error: str | None = None
     entry_point: Any = field(default=None, repr=False, compare=False)
-    group: str = ENTRY_POINT_GROUP
+    description: str = ""  # the distribution's one-line Summary (pyproject's description)
+    base: type = field(default=Algorithm, repr=False, compare=False)  # what the class must subclass
 
     def load(self) -> None:
         """Import the entry point once, recording a failure instead of raising it."""
@@ -56,16 +58,34 @@ class AlgorithmInfo:
         except Exception as exc:  # a plugin's import may fail in any way
             self.error = f"{type(exc).__name__}: {exc}"
             return
-        base = GROUPS[self.group][0]
-        if not (isinstance(cls, type) and issubclass(cls, base)):
-            self.error = f"{ep.value} is not a subclass of slipstream.{base.__name__}"
+        if not (isinstance(cls, type) and issubclass(cls, self.base)):
+            self.error = f"{ep.value} is not a subclass of slipstream.{self.base.__name__}"
         elif cls.name != ep.name:
             self.error = f"{ep.value} is named {cls.name!r} but registered as {ep.name!r}"
         else:
             self.cls = cls
 
+    def check_module(self) -> None:
+        """Record an error if the entry point's module cannot be found, without
+        importing it (a cheap check: an import that fails inside the module needs
+        :meth:`load`)."""
+        module = self.target.split(":")[0].strip()
+        if self.error is not None or not module:
+            return
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError) as exc:  # a dotted name whose parent fails
+            self.error = f"{type(exc).__name__}: {exc}"
+            return
+        if not found:
+            self.error = f"ModuleNotFoundError: No module named {module!r}"
+
     @property
     def summary(self) -> str:
+        """The distribution's summary; the class docstring's first line when the
+        distribution has none and the class is loaded."""
+        if self.description:
+            return self.description
         return self.cls.summary() if self.cls is not None else ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -76,14 +96,20 @@ class AlgorithmInfo:
             "entry_point": self.target,
             "summary": self.summary,
             "error": self.error,
+            "imported": self.entry_point is None,  # whether load errors were looked for
         }
 
 
-def discover(load: bool = True, group: str = ENTRY_POINT_GROUP) -> dict[str, AlgorithmInfo]:
-    """Every installed algorithm (or callback, with ``group=CALLBACKS_GROUP``); with
-    ``load``, imported too. A failed import is recorded, not raised, so that one
-    broken plugin does not hide the others. ``load=False`` defers imports to
-    :func:`algorithm_class`, so a run imports only the plugins it uses."""
+def discover(
+    load: bool = True, group: str = ENTRY_POINT_GROUP, base: type | None = None
+) -> dict[str, AlgorithmInfo]:
+    """Every installed plugin of entry-point ``group`` (algorithms by default);
+    with ``load``, imported too (and checked to subclass ``base``; by default
+    the group's own base class, :class:`Algorithm` or :class:`Callback`). A failed
+    import is recorded, not raised, so that one broken plugin does not hide the
+    others. ``load=False`` defers imports to :func:`algorithm_class`, so a run
+    imports only the plugins it uses; name, distribution, version and summary
+    come from the distribution's metadata either way."""
     found: dict[str, AlgorithmInfo] = {}
     for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
         dist = getattr(ep, "dist", None)
@@ -93,7 +119,8 @@ def discover(load: bool = True, group: str = ENTRY_POINT_GROUP) -> dict[str, Alg
             version=dist.version if dist is not None else "unknown",
             target=ep.value,
             entry_point=ep,
-            group=group,
+            description=(dist.metadata["Summary"] or "").strip() if dist is not None else "",
+            base=base or GROUPS[group][0],
         )
         if ep.name in found:
             other = found[ep.name]
@@ -109,6 +136,21 @@ def discover(load: bool = True, group: str = ENTRY_POINT_GROUP) -> dict[str, Alg
         if load:
             info.load()
     return found
+
+
+def list_installed(
+    group: str = ENTRY_POINT_GROUP, check: bool = False, base: type | None = None
+) -> list[AlgorithmInfo]:
+    """What ``slipstream algorithms`` (and ``callbacks``, with its group) lists.
+
+    Without ``check`` nothing is imported: metadata, plus a look-up of each entry
+    point's module on the path. With ``check`` every plugin is imported, so that
+    an import that fails inside the module (or exits) is reported too.
+    """
+    infos = list(discover(load=check, group=group, base=base).values())
+    for info in infos:
+        info.check_module()
+    return infos
 
 
 def algorithm_class(

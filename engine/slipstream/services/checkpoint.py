@@ -26,7 +26,7 @@ from ..rundir import RunDir
 from ..state import State
 
 # The metrics best.pt may monitor, and whether higher is better.
-BEST_METRICS = {"accuracy": True, "loss": False}
+BEST_METRICS = {"accuracy": True, "accuracy_top5": True, "loss": False}
 
 
 def check_best_metric(value: str | None) -> str | None:
