@@ -192,7 +192,8 @@ def test_callback_config_errors_name_the_callback_and_the_key():
     unknown = r"callbacks.early_stopping: unknown key 'patiense' \(did you mean 'patience'\?\)"
     with pytest.raises(ConfigError, match=unknown):
         plugin_config(cls, {"patiense": 2})
-    with pytest.raises(ConfigError, match=r"callbacks.early_stopping: monitor must be one of accuracy, accuracy_top5, loss"):
+    monitor = r"callbacks.early_stopping: monitor must be one of accuracy, accuracy_top5, loss"
+    with pytest.raises(ConfigError, match=monitor):
         plugin_config(cls, {"monitor": "acc"})
 
 

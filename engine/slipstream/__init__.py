@@ -35,13 +35,13 @@ if TYPE_CHECKING:
     from .checkpoint import load_checkpoint
     from .duration import Duration, DurationError, parse_duration_option
     from .errors import CheckpointError, ConfigError, PluginError, SlipstreamError
-    from .flatten import flatten, numbers
     from .hookspecs import hookimpl
     from .images import to_unit_float
     from .options import TrainerOptions
     from .rundir import RunDir
     from .seeds import batch_generator, batch_seed
     from .state import State, Timestamp, unwrap_model
+    from .tracking import flatten, numbers
     from .trainer import Trainer
 
 __version__ = "0.1.0"
@@ -63,10 +63,10 @@ _EXPORTS = {
     "TrainerOptions": "options",
     "batch_generator": "seeds",
     "batch_seed": "seeds",
-    "flatten": "flatten",
+    "flatten": "tracking",
     "hookimpl": "hookspecs",
     "load_checkpoint": "checkpoint",
-    "numbers": "flatten",
+    "numbers": "tracking",
     "parse_duration_option": "duration",
     "to_unit_float": "images",
     "unwrap_model": "state",

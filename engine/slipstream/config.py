@@ -74,7 +74,7 @@ class TrainerConfig:
     load_path: Optional[str] = None  # a checkpoint to resume from
     overwrite: bool = False  # clear the run files of a run_dir that already holds a run
     on_nonfinite: str = "stop"  # stop | warn: what a NaN or infinite training loss does
-    best_metric: Optional[str] = "accuracy"  # accuracy | accuracy_top5 | loss | null: checkpoints/best.pt keeps the best eval
+    best_metric: Optional[str] = "accuracy"  # accuracy | accuracy_top5 | loss | null: what best.pt keeps
     progress_bar: bool = True
     threads: Optional[int] = None  # torch.set_num_threads; None: torch's default
     deterministic: bool = False  # torch.use_deterministic_algorithms

@@ -61,7 +61,7 @@ class TrainerOptions:
     deterministic: bool = False
     verbose: bool = True
     on_nonfinite: str = "stop"  # stop | warn: what a NaN or infinite training loss does
-    best_metric: str | None = "accuracy"  # accuracy | loss | None: what checkpoints/best.pt keeps the best of
+    best_metric: str | None = "accuracy"  # accuracy | accuracy_top5 | loss | None: what best.pt keeps
 
     @classmethod
     def from_config(cls, trainer: Mapping[str, Any], **extra: Any) -> TrainerOptions:
