@@ -119,7 +119,10 @@ def discover(
             version=dist.version if dist is not None else "unknown",
             target=ep.value,
             entry_point=ep,
-            description=(dist.metadata["Summary"] or "").strip() if dist is not None else "",
+            # .get: once importlib_metadata (the backport, which mlflow and wandb
+            # import) is loaded, its finder answers first, and its [] raises KeyError
+            # for a field the distribution lacks.
+            description=(dist.metadata.get("Summary") or "").strip() if dist is not None else "",
             base=base or GROUPS[group][0],
         )
         if ep.name in found:
