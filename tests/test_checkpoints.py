@@ -177,3 +177,46 @@ def test_wall_clock_budget_ends_cleanly_and_dur_is_the_fraction_of_the_budget(tm
     assert summary["status"] == "completed"
     assert 1.0 <= trainer.state.timestamp.elapsed_s < 3.0
     assert fractions == sorted(fractions) and fractions[-1] == 1.0 and fractions[0] < 0.5
+
+
+class OwnsModelState(Algorithm):
+    """A parallelism plugin in miniature: wraps the model, and saves and loads the
+    model and optimizer state its own way (the weights stored negated)."""
+
+    name = "owns_model_state"
+
+    def __init__(self):
+        super().__init__()
+        self.wrapped = False
+        self.loaded = None
+
+    @hookimpl
+    def wrap_model(self, state):
+        self.wrapped = True
+        return torch.nn.Sequential(state.model)  # a wrapper, as DDP is one
+
+    @hookimpl
+    def state_dicts(self, state):
+        weights = state.model[0].state_dict()
+        return {"model": {k: -v for k, v in weights.items()}, "optimizer": state.optimizer.state_dict()}
+
+    @hookimpl
+    def load_state_dicts(self, state, state_dicts):
+        self.loaded = state_dicts
+        state.model.load_state_dict({k: -v for k, v in state_dicts["model"].items()})
+        state.optimizer.load_state_dict(state_dicts["optimizer"])
+        return True
+
+
+def test_a_plugin_owns_wrapping_saving_and_loading_through_the_step_hooks(tmp_path):
+    owner = OwnsModelState()
+    first = train(tmp_path / "a", [owner], max_duration="2ba", checkpoint_interval="2ba")
+    assert owner.wrapped and isinstance(first.state.model, torch.nn.Sequential)
+    payload = load_checkpoint(first.run_dir / "checkpoints" / "latest.pt")
+    live = first.state.model[0].state_dict()
+    assert all(torch.equal(payload["model"][k], -live[k]) for k in live)  # the plugin's format
+    reader = OwnsModelState()
+    resumed = train(tmp_path / "b", [reader], max_duration="2ba", load_path=first.run_dir / "checkpoints" / "latest.pt")
+    assert reader.loaded is not None  # the plugin loaded it, not the engine's default
+    assert resumed.state.timestamp.batch == 2  # nothing left to train: the weights are as loaded
+    assert all(torch.equal(v, live[k]) for k, v in resumed.state.model[0].state_dict().items())

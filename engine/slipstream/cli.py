@@ -1,6 +1,7 @@
 """The command line: a thin layer over the Python API.
 
 slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [--callbacks a,no:b] [key=value ...]
+                 [--nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]]
 slipstream algorithms [--json] [--check]
 slipstream callbacks [--json] [--check]
 slipstream recipes [--json]
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import (
+    ConfigError,
     ConfigWarning,
     SlipstreamError,
     describe,
@@ -74,6 +76,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--quiet", "-q", action="store_true", help="no progress bar or summary table"
+    )
+    launch = train.add_argument_group(
+        "several processes (torch.distributed.run's elastic agent; without these, one "
+        "process, or whatever torchrun started)"
+    )
+    launch.add_argument(
+        "--nproc-per-node", type=int, default=None, metavar="N", help="processes on this machine"
+    )
+    launch.add_argument("--nnodes", type=int, default=1, metavar="M", help="machines (default 1)")
+    launch.add_argument(
+        "--node-rank", type=int, default=0, metavar="R", help="this machine's index, 0 to M-1"
+    )
+    launch.add_argument(
+        "--master-addr", default=None, metavar="A", help="host of node 0 (needed when M > 1)"
+    )
+    launch.add_argument(
+        "--master-port", type=int, default=None, metavar="P", help="a free TCP port on node 0"
     )
     train.add_argument(
         "overrides",
@@ -249,6 +268,12 @@ def _train(args: argparse.Namespace) -> int:
 
     recipe = args.recipe or DEFAULT_RECIPE
     cfg = build_config(recipe, args.algorithms, args.overrides, callbacks=args.callbacks)
+    if args.nproc_per_node is not None:
+        return _launch(args, cfg)
+    if args.nnodes != 1 or args.node_rank or args.master_addr or args.master_port:
+        raise ConfigError(
+            "--nnodes, --node-rank, --master-addr and --master-port go with --nproc-per-node N"
+        )
     if args.quiet:
         cfg.trainer.progress_bar = False
     trainer = build_trainer(cfg, label=Path(recipe).stem, verbose=not args.quiet)
@@ -259,6 +284,30 @@ def _train(args: argparse.Namespace) -> int:
         elif summary.get("stop_reason"):  # the trainer said it already when not quiet
             print(f"slipstream: {summary['stop_reason']}", file=sys.stderr)
     return exit_code(summary)
+
+
+def _launch(args: argparse.Namespace, cfg: Any) -> int:
+    """Validate what the workers would build, then start them (torch.distributed.run)."""
+    from .config import to_dict
+    from .launch import LaunchOptions, launch
+    from .plugins import CALLBACKS_GROUP, discover, instantiate, resolve_order
+
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        raise ConfigError(
+            "--nproc-per-node inside a process that torchrun started: drop it, torchrun "
+            "already launched the processes"
+        )
+    options = LaunchOptions(
+        args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr, args.master_port
+    ).validate()
+    installed = discover(load=False)
+    resolve_order(instantiate(dict(to_dict(cfg.algorithms)), installed), installed=set(installed))
+    instantiate(dict(to_dict(cfg.callbacks)), discover(load=False, group=CALLBACKS_GROUP), CALLBACKS_GROUP)
+    passed = [*(["--recipe", args.recipe] if args.recipe else [])]
+    passed += ["--algorithms", args.algorithms] if args.algorithms else []
+    passed += ["--callbacks", args.callbacks] if args.callbacks else []
+    passed += ["--quiet"] if args.quiet else []
+    return launch(options, [*passed, *args.overrides])
 
 
 def exit_code(summary: dict[str, Any]) -> int:

@@ -62,6 +62,14 @@ class OptimizerConfig:
 
 
 @dataclass
+class DDPConfig:
+    # DistributedDataParallel, the default wrap of a run of several processes.
+    bucket_cap_mb: Optional[float] = None  # gradients per all-reduce bucket; None: torch's 25
+    static_graph: bool = False  # the same parameters are used every step
+    find_unused_parameters: bool = False  # some parameters get no gradient in a step
+
+
+@dataclass
 class TrainerConfig:
     max_duration: str = "5ep"
     seed: int = 0
@@ -83,6 +91,7 @@ class TrainerConfig:
     # The device's peak TFLOP/s for MFU: a number, or {fp32: .., bf16: .., fp16: ..};
     # None: probed once per machine and cached.
     peak_tflops: Optional[Any] = None
+    ddp: DDPConfig = field(default_factory=DDPConfig)
 
 
 @dataclass

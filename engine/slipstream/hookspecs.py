@@ -125,6 +125,29 @@ plugin such as ``channels_last`` sets it at ``init``). Only 4-D inputs are conve
             after_optimizer_step
         advance state.timestamp
         batch_end                          (evaluation and checkpoints when due)
+
+Parallelism: wrapping, saving and loading
+-----------------------------------------
+Three more steps let a parallelism plugin (FSDP, say) own how the model is
+distributed and how its state is saved and loaded, so that the engine names none:
+
+* ``wrap_model`` runs once after ``init`` and after a resume has loaded the
+  checkpoint, before ``fit_start``; it returns the module to train. The engine's
+  default wraps the model in ``DistributedDataParallel`` when several processes
+  run, and returns it as it is otherwise. A plugin that distributes the model itself
+  returns ``state.model`` unchanged (it is already sharded).
+* ``state_dicts`` returns ``{"model": ..., "optimizer": ...}`` for a checkpoint.
+  It runs on every rank (it may hold collectives); rank 0 writes the result. The
+  default returns the unwrapped model's and the optimizer's own ``state_dict()``.
+  Tensors that are ``DTensor`` shards are written with ``torch.distributed.checkpoint``
+  by every rank into a folder beside the checkpoint file; anything else goes into
+  the file.
+* ``load_state_dicts(state, state_dicts)`` loads what ``state_dicts`` returned
+  (read back from the file, or from the shard folder into the dicts that
+  ``state_dicts`` returns now). It runs after ``init``; the default loads the
+  unwrapped model and the optimizer. A mismatch raises ``RuntimeError`` (model) or
+  ``ValueError``/``KeyError`` (optimizer), which the engine reports as a checkpoint
+  that does not fit.
 """
 
 from __future__ import annotations
@@ -141,8 +164,18 @@ PROJECT = "slipstream"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-# Names of the step hooks, in the order the loop calls them.
-STEPS = ("forward", "compute_loss", "backward", "should_step", "optimizer_step")
+# Names of the step hooks: those of the loop, in the order it calls them, then
+# those of set-up and checkpoints (see "Parallelism" below).
+STEPS = (
+    "forward",
+    "compute_loss",
+    "backward",
+    "should_step",
+    "optimizer_step",
+    "wrap_model",
+    "state_dicts",
+    "load_state_dicts",
+)
 
 # Names of the events in the order the loop fires them (see Trainer.fit);
 # log_metrics comes last: the metrics log fires it inside batch_end and eval_end.
@@ -353,3 +386,21 @@ def should_step(state: State) -> Any:
 def optimizer_step(state: State) -> Any:
     """Step the optimizer; return ``True`` if it stepped and ``False`` if the step
     was skipped (for example for inf/NaN gradients)."""
+
+
+@hookspec(firstresult=True)
+def wrap_model(state: State) -> Any:
+    """Return the module to train, distributed as the run needs (``DistributedDataParallel``
+    by default when several processes run). Called once, after ``init`` and a resume."""
+
+
+@hookspec(firstresult=True)
+def state_dicts(state: State) -> Any:
+    """Return ``{"model": state_dict, "optimizer": state_dict}`` for a checkpoint
+    (called on every rank; may run collectives)."""
+
+
+@hookspec(firstresult=True)
+def load_state_dicts(state: State, state_dicts: dict[str, Any]) -> Any:
+    """Load ``state_dicts`` (``{"model": ..., "optimizer": ...}``) into the model and the
+    optimizer; return ``True`` when done."""

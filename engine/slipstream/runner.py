@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from .config import to_dict
 from .data import DATASET_STATS, DataError, build_datasets, build_loader
-from .distributed import init_distributed, resolve_device
+from .distributed import from_rank0, init_distributed, resolve_device
 from .errors import ConfigError
 from .models import build_model
 from .optim import build_optimizer
@@ -49,6 +49,8 @@ def build_trainer(
     device = resolve_device(t.device)
     apply_process_settings(options, device)
     rank, world_size = init_distributed(device)
+    # Named by each process's clock unless given: rank 0's name is the run's.
+    options.run_dir = from_rank0(options.run_dir)
 
     try:
         train_set, val_set, num_classes = build_datasets(

@@ -20,7 +20,7 @@ from . import hookspecs
 from .algorithm import Algorithm
 from .callback import Callback
 from .checkpoint import checkpoint_payload, restore_checkpoint
-from .distributed import init_distributed, is_distributed, resolve_device
+from .distributed import init_distributed, resolve_device
 from .duration import Duration
 from .errors import CheckpointError, ConfigError, PluginError
 from .interrupts import stop_on_signals
@@ -121,6 +121,7 @@ class Trainer:
         peak_tflops: float | dict[str, float] | None = None,
         callbacks: Sequence[Callback | str] = (),
         best_metric: str | None = "accuracy",
+        ddp: dict[str, Any] | None = None,
     ) -> None:
         # One set-up for the Python API and the CLI (which passes the same options,
         # built from its config): validate, then threads, determinism and seeds.
@@ -142,6 +143,7 @@ class Trainer:
             verbose=verbose,
             on_nonfinite=on_nonfinite,
             best_metric=best_metric,
+            ddp=ddp,
         ).validate()
         self.target_accuracy = check_target(target_accuracy, stop_at_target)
         peak = parse_peak_tflops(peak_tflops)
@@ -277,7 +279,7 @@ class Trainer:
         write = self.state.rank == 0
         for callback in reversed(self.callbacks):
             self.pm.register(callback, name=callback.name)
-        self._defaults = DefaultSteps()
+        self._defaults = DefaultSteps(self.options.ddp)
         self.pm.register(self._defaults, name=DefaultSteps.name)
         self.summary_writer = SummaryWriter(
             self.run_dir,
@@ -376,7 +378,7 @@ class Trainer:
             pm.hook.init(state=state)
             self._check_hooks()  # init may have registered helpers
             if self.load_path is not None:
-                restore_checkpoint(state, self.load_path, verbose=self.verbose)
+                restore_checkpoint(state, self.load_path, verbose=self.verbose, hook=self.pm.hook)
             self._wrap_distributed()
             self._bind_hooks()
             if state.rank == 0:
@@ -467,12 +469,8 @@ class Trainer:
         return iterator
 
     def _wrap_distributed(self) -> None:
-        if not is_distributed() or isinstance(
-            self.state.model, nn.parallel.DistributedDataParallel
-        ):
-            return
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        self.state.model = nn.parallel.DistributedDataParallel(self.state.model, device_ids=ids)
+        # DDP by default; a parallelism plugin may distribute the model itself.
+        self.state.model = self.pm.hook.wrap_model(state=self.state)
 
     # -- what checkpoints and the summary record -------------------------------------
 
@@ -483,7 +481,9 @@ class Trainer:
         return [algorithm_record(c, self._distributions[c.name]) for c in self.callbacks]
 
     def _checkpoint_payload(self, state: State) -> dict[str, Any]:
-        return checkpoint_payload(state, [*self._algorithm_records(), *self._callback_records()])
+        return checkpoint_payload(
+            state, [*self._algorithm_records(), *self._callback_records()], hook=self.pm.hook
+        )
 
 
 def _batches_per_epoch(loader: Any) -> int | None:

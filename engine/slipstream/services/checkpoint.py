@@ -2,22 +2,39 @@
 
 Files go to ``RUN_DIR/checkpoints/ep{E}-ba{B}.pt``; the newest is also
 ``latest.pt``. ``best.pt`` is written at each evaluation that improves the
-monitored metric (``best_metric``: eval ``accuracy``, higher is better, or eval
-``loss``, lower is better) and records it under ``"best"`` (metric, value, step,
-epoch). Only rank 0 writes. Without an interval nothing is written. A checkpoint
-whose weights are not all finite is never written, so ``latest.pt`` and
+monitored metric (``best_metric``: eval ``accuracy`` or ``accuracy_top5``, higher is
+better, or eval ``loss``, lower is better) and records it under ``"best"`` (metric,
+value, step, epoch). Only rank 0 writes. Without an interval nothing is written. A
+checkpoint whose weights are not all finite is never written, so ``latest.pt`` and
 ``best.pt`` stay the last good ones.
+
+When the model's or optimizer's state is sharded (DTensors, from a parallelism
+plugin's ``state_dicts``), every rank writes its shards with
+torch.distributed.checkpoint into ``ep{E}-ba{B}.dcp/`` beside the file, which then
+names that folder instead of holding the tensors. ``best.pt`` is not kept for
+sharded checkpoints (its shards would need a folder of their own): a warning says so.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import load_checkpoint, nonfinite_tensors, save_checkpoint
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import (
+    load_checkpoint,
+    local_tensors,
+    nonfinite_tensors,
+    save_checkpoint,
+    save_shards,
+    sharded_parts,
+)
 from ..duration import Duration
 from ..errors import CheckpointError, ConfigError
 from ..hookspecs import hookimpl
@@ -107,7 +124,7 @@ class Checkpointer:
                 return
         ts = state.timestamp
         best = {"metric": self.best_metric, "value": value, "step": ts.batch, "epoch": ts.epoch}
-        payload = self._payload(state)
+        payload = self._payload(state, shards=False)
         if payload is None:
             return
         if self.write:
@@ -115,15 +132,31 @@ class Checkpointer:
         self.best = best
         state.summary["best_checkpoint"] = best
 
-    def _payload(self, state: State) -> dict[str, Any] | None:
-        """What to save, or None when nothing may be saved (a diverged run, or
-        weights that are not all finite on the writing rank)."""
+    def _payload(self, state: State, shards: bool = True) -> dict[str, Any] | None:
+        """What to save, or None when nothing may be saved: a diverged run, weights
+        that are not all finite, or (without ``shards``) a sharded state."""
         if self.guard is not None and not self.guard(state):
             return None
-        payload = self.build_payload(state)  # every rank: may hold collectives later (FSDP)
+        payload = self.build_payload(state)  # every rank: may hold collectives (FSDP)
+        ts = state.timestamp
+        sharded = sharded_parts({k: payload[k] for k in ("model", "optimizer")})
+        if sharded and not shards:
+            if self.best_metric is not None and self.write:
+                warnings.warn(
+                    "slipstream: checkpoints/best.pt is not kept for sharded checkpoints; "
+                    "set trainer.best_metric=null to silence this",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            self.best_metric = None  # every rank alike: the state stays sharded
+            return None
+        if sharded:
+            payload = self._save_shards(state, payload, sharded)
+            if payload is None:
+                return None
         if not self.write:
             return payload
-        bad = nonfinite_tensors(payload["model"])
+        bad = [] if sharded else nonfinite_tensors(payload["model"])
         if bad:
             kept = (
                 f"{self.paths.latest} stays the last good one"
@@ -132,8 +165,8 @@ class Checkpointer:
             )
             shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
             warnings.warn(
-                f"slipstream: not writing the checkpoint of step {state.timestamp.batch}: the "
-                f"weights hold NaN or infinity ({shown}); {kept}",
+                f"slipstream: not writing the checkpoint of step {ts.batch}: the weights hold "
+                f"NaN or infinity ({shown}); {kept}",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -150,5 +183,30 @@ class Checkpointer:
         save_checkpoint(payload, self.paths.latest)
         self._written.append(path)
         while self.keep >= 0 and len(self._written) > max(self.keep, 1):
-            self._written.pop(0).unlink(missing_ok=True)
+            old = self._written.pop(0)
+            old.unlink(missing_ok=True)
+            shutil.rmtree(self.paths.shards_of(old), ignore_errors=True)
         return path
+
+    def _save_shards(
+        self, state: State, payload: dict[str, Any], sharded: list[str]
+    ) -> dict[str, Any] | None:
+        """Every rank writes its shards of ``sharded`` parts; returns the payload that
+        names the folder, or None (on every rank alike) when a shard is not finite."""
+        ts = state.timestamp
+        bad = nonfinite_tensors(local_tensors(payload["model"]))
+        flag = torch.tensor([len(bad)], dtype=torch.int64)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag)  # all ranks skip together: the save is a collective
+        if int(flag):
+            if self.write:
+                warnings.warn(
+                    f"slipstream: not writing the checkpoint of step {ts.batch}: the weights hold "
+                    "NaN or infinity",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return None
+        folder = self.paths.shards(ts.epoch, ts.batch)
+        save_shards({k: payload[k] for k in sharded}, folder)
+        return {**payload, **dict.fromkeys(sharded), "shards": folder.name, "sharded_parts": sharded}
