@@ -1,9 +1,9 @@
 # `make train` and `make test` set up .venv themselves: the engine, every plugin in
-# algorithms/ (editable) and the test tools. Python 3.10+ and pip are all they need.
+# algorithms/ and callbacks/ (editable) and the test tools. Python 3.10+ and pip are all they need.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PLUGINS := $(sort $(wildcard algorithms/*/pyproject.toml))
+PLUGINS := $(sort $(wildcard algorithms/*/pyproject.toml callbacks/*/pyproject.toml))
 STAMP := $(VENV)/.installed
 
 .PHONY: setup train test lint bench clean

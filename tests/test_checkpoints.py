@@ -34,7 +34,7 @@ class Counter(Algorithm):
 def test_checkpoint_contents_load_with_weights_only(tmp_path):
     trainer = train(tmp_path, [Counter()], max_duration="2ep", checkpoint_interval="1ep")
     folder = trainer.run_dir / "checkpoints"
-    assert sorted(p.name for p in folder.iterdir()) == ["ep1-ba4.pt", "ep2-ba8.pt", "latest.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["best.pt", "ep1-ba4.pt", "ep2-ba8.pt", "latest.pt"]
     payload = torch.load(folder / "latest.pt", weights_only=True)
     assert set(payload) >= {"model", "optimizer", "plugins", "timestamp", "config", "rng"}
     assert payload["model"].keys() == trainer.state.unwrapped_model.state_dict().keys()
@@ -139,7 +139,7 @@ def test_a_failed_run_overwrites_no_checkpoint(tmp_path):
     # The failure is the only way this run ends: nothing it saves on the way out
     # (the state of a batch that failed half-way) may replace the last good checkpoint.
     assert latest.read_bytes() == before
-    assert sorted(p.name for p in latest.parent.iterdir()) == ["ep0-ba2.pt", "latest.pt"]
+    assert sorted(p.name for p in latest.parent.iterdir()) == ["best.pt", "ep0-ba2.pt", "latest.pt"]
 
 
 def test_sigterm_ends_the_run_cleanly_with_a_checkpoint(tmp_path):

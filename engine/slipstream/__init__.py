@@ -4,9 +4,14 @@ The public API, which plugins may import:
 
 - :class:`Trainer` runs the loop (its run-level settings are :class:`TrainerOptions`);
   :class:`State` is what every hook receives.
-- :class:`Algorithm` is the base class of a technique; :data:`hookimpl` marks its
-  hook methods (the contract is :mod:`slipstream.hookspecs`).
+- :class:`Algorithm` is the base class of a technique, :class:`Callback` of an
+  observer (logger, profiler, early stopping); :data:`hookimpl` marks their hook
+  methods (the contract is :mod:`slipstream.hookspecs`).
+- :class:`RunDir` names the files of a run directory (``summary.json``,
+  ``config.yaml``, ``checkpoints/best.pt`` ...), for plugins that read them.
 - :class:`Duration` parses ``10ep``, ``0.3dur``, ``15m`` ...
+- :func:`flatten` and :func:`numbers` turn configs and metrics records into the
+  flat keys and numbers experiment trackers take (for logger callbacks).
 - :func:`to_unit_float` turns a ``uint8`` or float image batch into float in [0, 1],
   for plugins that transform pixels at ``batch_start``.
 - :func:`batch_seed` / :func:`batch_generator`: the random stream of one training
@@ -26,14 +31,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .algorithm import Algorithm
+    from .callback import Callback
     from .checkpoint import load_checkpoint
     from .duration import Duration, DurationError, parse_duration_option
     from .errors import CheckpointError, ConfigError, PluginError, SlipstreamError
     from .hookspecs import hookimpl
     from .images import to_unit_float
     from .options import TrainerOptions
+    from .rundir import RunDir
     from .seeds import batch_generator, batch_seed
     from .state import State, Timestamp, unwrap_model
+    from .tracking import flatten, numbers
     from .trainer import Trainer
 
 __version__ = "0.1.0"
@@ -41,11 +49,13 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "Algorithm": "algorithm",
+    "Callback": "callback",
     "CheckpointError": "errors",
     "ConfigError": "errors",
     "Duration": "duration",
     "DurationError": "duration",
     "PluginError": "errors",
+    "RunDir": "rundir",
     "SlipstreamError": "errors",
     "State": "state",
     "Timestamp": "state",
@@ -53,8 +63,10 @@ _EXPORTS = {
     "TrainerOptions": "options",
     "batch_generator": "seeds",
     "batch_seed": "seeds",
+    "flatten": "tracking",
     "hookimpl": "hookspecs",
     "load_checkpoint": "checkpoint",
+    "numbers": "tracking",
     "parse_duration_option": "duration",
     "to_unit_float": "images",
     "unwrap_model": "state",
@@ -62,11 +74,13 @@ _EXPORTS = {
 
 __all__ = [
     "Algorithm",
+    "Callback",
     "CheckpointError",
     "ConfigError",
     "Duration",
     "DurationError",
     "PluginError",
+    "RunDir",
     "SlipstreamError",
     "State",
     "Timestamp",
@@ -74,8 +88,10 @@ __all__ = [
     "TrainerOptions",
     "batch_generator",
     "batch_seed",
+    "flatten",
     "hookimpl",
     "load_checkpoint",
+    "numbers",
     "parse_duration_option",
     "to_unit_float",
     "unwrap_model",

@@ -164,14 +164,15 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
 def checkpoint_payload(
     state: State, algorithms: Sequence[Mapping[str, Any]], hook: Any = None
 ) -> dict[str, Any]:
-    """What a checkpoint of ``state`` holds. ``algorithms`` are the run's algorithm
-    records (name, version, distribution, config) in the order of ``state.algorithms``;
-    each plugin's ``state_dict()`` is stored beside its record. ``hook`` is the run's
+    """What a checkpoint of ``state`` holds. ``algorithms`` are the run's plugin
+    records (name, version, distribution, config) in the order of
+    ``state.algorithms`` then ``state.callbacks``; each plugin's ``state_dict()`` is
+    stored beside its record. ``hook`` is the run's
     hook relay: its ``state_dicts`` step gives the model's and optimizer's state (a
     parallelism plugin's, or the plain ``state_dict()``s without one)."""
     plugins = {
-        record["name"]: {**record, "state": algo.state_dict()}
-        for algo, record in zip(state.algorithms, algorithms, strict=True)
+        record["name"]: {**record, "state": plugin.state_dict()}
+        for plugin, record in zip([*state.algorithms, *state.callbacks], algorithms, strict=True)
     }
     state_dicts = _state_dicts(state, hook)  # every rank: may gather shards
     return {
@@ -231,10 +232,11 @@ def restore_checkpoint(
     for scheduler, saved in zip(state.schedulers, payload.get("schedulers", []), strict=False):
         scheduler.load_state_dict(saved)
     saved_plugins = payload.get("plugins", {})
-    for algo in state.algorithms:
-        if algo.name in saved_plugins:
-            algo.load_state_dict(saved_plugins[algo.name]["state"])
-    missing = sorted(set(saved_plugins) - {a.name for a in state.algorithms})
+    everyone = [*state.algorithms, *state.callbacks]
+    for plugin in everyone:
+        if plugin.name in saved_plugins:
+            plugin.load_state_dict(saved_plugins[plugin.name]["state"])
+    missing = sorted(set(saved_plugins) - {p.name for p in everyone})
     if missing and verbose:
         print(
             f"slipstream: checkpoint state of {', '.join(missing)} not used (not in this run)",

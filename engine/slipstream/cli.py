@@ -1,8 +1,9 @@
 """The command line: a thin layer over the Python API.
 
-slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [key=value ...]
+slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [--callbacks a,no:b] [key=value ...]
                  [--nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]]
 slipstream algorithms [--json] [--check]
+slipstream callbacks [--json] [--check]
 slipstream recipes [--json]
 slipstream sweep --recipe R --trials N [--sweep-dir D] [--metric accuracy] [--direction maximize]
                  key=loguniform(a,b) key=uniform(a,b) key=int(a,b) key=choice(x,y) [key=value ...]
@@ -53,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train",
         help="train a model (the default recipe unless --recipe is given)",
-        description="Train. Merge order: defaults < recipe < --algorithms < key=value overrides.",
+        description="Train. Merge order: defaults < recipe < --algorithms/--callbacks < key=value overrides.",
     )
     train.add_argument(
         "--recipe",
@@ -66,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
         "-a",
         default=None,
         help="comma-separated algorithms to add; 'no:NAME' removes one",
+    )
+    train.add_argument(
+        "--callbacks",
+        default=None,
+        help="comma-separated callbacks to add (loggers, profiler, early stopping); "
+        "'no:NAME' removes one",
     )
     train.add_argument(
         "--quiet", "-q", action="store_true", help="no progress bar or summary table"
@@ -128,6 +135,14 @@ def _parser() -> argparse.ArgumentParser:
         nargs="*",
         metavar="key=FORM",
         help="key=loguniform(a,b), key=uniform(a,b), key=int(a,b), key=choice(x,y,...), or a fixed key=value",
+    )
+
+    callbacks = sub.add_parser("callbacks", help="list installed callbacks")
+    callbacks.add_argument("--json", action="store_true", help="machine-readable output")
+    callbacks.add_argument(
+        "--check",
+        action="store_true",
+        help="import every callback and report the ones that fail to load (slower)",
     )
 
     recipes = sub.add_parser("recipes", help="list bundled recipes")
@@ -252,7 +267,7 @@ def _train(args: argparse.Namespace) -> int:
     from .runner import build_trainer
 
     recipe = args.recipe or DEFAULT_RECIPE
-    cfg = build_config(recipe, args.algorithms, args.overrides)
+    cfg = build_config(recipe, args.algorithms, args.overrides, callbacks=args.callbacks)
     if args.nproc_per_node is not None:
         return _launch(args, cfg)
     if args.nnodes != 1 or args.node_rank or args.master_addr or args.master_port:
@@ -275,7 +290,7 @@ def _launch(args: argparse.Namespace, cfg: Any) -> int:
     """Validate what the workers would build, then start them (torch.distributed.run)."""
     from .config import to_dict
     from .launch import LaunchOptions, launch
-    from .plugins import discover, instantiate, resolve_order
+    from .plugins import CALLBACKS_GROUP, discover, instantiate, resolve_order
 
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
         raise ConfigError(
@@ -287,8 +302,10 @@ def _launch(args: argparse.Namespace, cfg: Any) -> int:
     ).validate()
     installed = discover(load=False)
     resolve_order(instantiate(dict(to_dict(cfg.algorithms)), installed), installed=set(installed))
+    instantiate(dict(to_dict(cfg.callbacks)), discover(load=False, group=CALLBACKS_GROUP), CALLBACKS_GROUP)
     passed = [*(["--recipe", args.recipe] if args.recipe else [])]
     passed += ["--algorithms", args.algorithms] if args.algorithms else []
+    passed += ["--callbacks", args.callbacks] if args.callbacks else []
     passed += ["--quiet"] if args.quiet else []
     return launch(options, [*passed, *args.overrides])
 
@@ -320,6 +337,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("throughput", f"{summary.get('samples_per_s', 0):.0f} samples/s"),
         ("epochs / batches", f"{summary.get('epochs')} / {summary.get('batches')}"),
         ("algorithms", ", ".join(a["name"] for a in summary.get("algorithms", [])) or "none"),
+        ("callbacks", ", ".join(c["name"] for c in summary.get("callbacks", [])) or "none"),
         ("device", f"{summary.get('device')} x {summary.get('world_size', 1)}"),
         ("run directory", summary.get("run_dir", "-")),
     ]
@@ -333,6 +351,12 @@ def _algorithms(args: argparse.Namespace) -> int:
     from .plugins import ENTRY_POINT_GROUP
 
     return print_plugin_listing(ENTRY_POINT_GROUP, "algorithms", check=args.check, as_json=args.json)
+
+
+def _callbacks(args: argparse.Namespace) -> int:
+    from .plugins import CALLBACKS_GROUP
+
+    return print_plugin_listing(CALLBACKS_GROUP, "callbacks", check=args.check, as_json=args.json)
 
 
 def print_plugin_listing(group: str, kind: str, *, check: bool, as_json: bool) -> int:
@@ -436,6 +460,7 @@ def _compare(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "train": _train,
     "algorithms": _algorithms,
+    "callbacks": _callbacks,
     "recipes": _recipes,
     "sweep": _sweep,
     "plot": _plot,

@@ -58,9 +58,14 @@ order given) last. So at every event, plain implementations run as:
     -> engine.divergence (reads the interval's losses at batch_end when a record is due)
     -> engine.checkpoint (saves at batch_end/epoch_end when due, and at fit_end)
     -> engine.summary (writes summary.json at fit_end and on exception)
+    -> callbacks, in the order given (``--callbacks``, a recipe's ``callbacks:``)
 
 so a checkpoint or a metrics record always holds what every algorithm did at that
-event. Exceptions to this order are marked: ``engine.evaluation``'s ``fit_end`` is
+event, and a callback (which observes) sees what the engine recorded: the eval
+record written and ``checkpoints/best.pt`` saved at ``eval_end``, ``summary.json``
+at ``fit_end``. A callback may not implement a step hook.
+
+Exceptions to this order are marked: ``engine.evaluation``'s ``fit_end`` is
 ``tryfirst`` (every ``fit_end`` sees the final evaluation), ``engine.progress``'s
 ``fit_end`` is ``trylast``, and ``engine.steps`` provides every step as ``trylast``
 (the default a plugin replaces or wraps). An algorithm that must act after the
@@ -172,7 +177,8 @@ STEPS = (
     "load_state_dicts",
 )
 
-# Names of the events in the order the loop fires them (see Trainer.fit).
+# Names of the events in the order the loop fires them (see Trainer.fit);
+# log_metrics comes last: the metrics log fires it inside batch_end and eval_end.
 EVENTS = (
     "init",
     "fit_start",
@@ -193,6 +199,7 @@ EVENTS = (
     "eval_end",
     "fit_end",
     "exception",
+    "log_metrics",
 )
 
 
@@ -329,6 +336,19 @@ def fit_end(state: State) -> None:
 @hookspec
 def exception(state: State, error: BaseException) -> None:
     """The run failed with ``error``; the engine re-raises it after this event."""
+
+
+@hookspec
+def log_metrics(state: State, record: dict[str, Any]) -> None:
+    """A record has just been appended to ``metrics.jsonl``: ``record`` is that
+    line, parsed (strict JSON: a non-finite value is None and named in
+    ``record["nonfinite"]``). Train records (``record["kind"] == "train"``) come at
+    every logging interval and at the end; eval records (``"eval"``, with
+    ``loss`` and ``accuracy``) after every evaluation. ``record["step"]`` is the
+    global batch. Fired on global rank 0 only (the one that writes), inside
+    ``batch_end`` or ``eval_end``, so every logger sees exactly what
+    ``metrics.jsonl`` gets. Do not change ``record``: it is shared by every
+    implementation."""
 
 
 # ---------------------------------------------------------------------------

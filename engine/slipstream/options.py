@@ -21,6 +21,7 @@ import torch
 
 from .duration import Duration, DurationError
 from .errors import ConfigError
+from .services.checkpoint import check_best_metric
 from .services.divergence import check_on_nonfinite
 
 # `normalize="auto"`: the statistics of a dataset Slipstream knows, else none.
@@ -60,6 +61,7 @@ class TrainerOptions:
     deterministic: bool = False
     verbose: bool = True
     on_nonfinite: str = "stop"  # stop | warn: what a NaN or infinite training loss does
+    best_metric: str | None = "accuracy"  # accuracy | accuracy_top5 | loss | None: what best.pt keeps
     # DistributedDataParallel options of the default wrap (several processes only):
     # bucket_cap_mb, static_graph, find_unused_parameters.
     ddp: Mapping[str, Any] | None = None
@@ -93,6 +95,7 @@ class TrainerOptions:
         check_device(self.device, f"{prefix}device")
         _check_normalize(self.normalize, f"{prefix}normalize")
         check_on_nonfinite(self.on_nonfinite)
+        check_best_metric(self.best_metric)
         self.ddp = check_ddp_options(self.ddp, f"{prefix}ddp")
         if self.run_dir is not None:
             check_output_dir(Path(self.run_dir), f"{prefix}run_dir")

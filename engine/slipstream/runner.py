@@ -14,7 +14,7 @@ from .errors import ConfigError
 from .models import build_model
 from .optim import build_optimizer
 from .options import TrainerOptions, apply_process_settings
-from .plugins import AlgorithmInfo, discover, instantiate
+from .plugins import CALLBACKS_GROUP, AlgorithmInfo, discover, instantiate
 from .rundir import new_run_dir
 from .trainer import Trainer
 
@@ -30,10 +30,13 @@ def build_trainer(
     installed: dict[str, AlgorithmInfo] | None = None,
     verbose: bool = True,
 ) -> Trainer:
-    """Everything is validated (algorithms, data, model, optimizer) before the
-    run directory is touched, so a bad config costs nothing."""
+    """Everything is validated (algorithms, callbacks, data, model, optimizer)
+    before the run directory is touched, so a bad config costs nothing."""
     installed = discover(load=False) if installed is None else installed
     algorithms = instantiate(dict(to_dict(cfg.algorithms)), installed)
+    callbacks = instantiate(
+        dict(to_dict(cfg.callbacks)), discover(load=False, group=CALLBACKS_GROUP), CALLBACKS_GROUP
+    )
     t, d, m, o = cfg.trainer, cfg.data, cfg.model, cfg.optimizer
     # The same options and validation as a Trainer built in Python; the process
     # settings come first so that data and model are built seeded.
@@ -117,6 +120,7 @@ def build_trainer(
         train_data=train_loader,
         eval_data=eval_loader,
         algorithms=algorithms,
+        callbacks=callbacks,
         config=resolved,
         installed=installed,
         target_accuracy=t.target_accuracy,
