@@ -220,11 +220,12 @@ def raise_peak(
     threads: int | None = None,
     path: Path | None = None,
 ) -> Peak:
-    """A run did more FLOP/s than ``peak`` says the device can (MFU above 1): the peak was probed on a busy machine. Probe again and keep,
-    per dtype, the larger of the old figure and the new probe, in the cache too, so
-    the next run starts right. The run's own rate is never taken as a peak: the clock
-    of a run of a few batches (or one whose FLOPs were miscounted) says nothing about
-    the device, and one such figure in the cache would shrink every later run's MFU."""
+    """A run did more FLOP/s than ``peak`` says the device can (MFU above 1): the
+    peak was probed on a busy machine. Probe again and keep, per dtype, the larger of
+    the old figure and the new probe, in the cache too, so the next run starts right.
+    The run's own rate is never taken as a peak: the clock of a run of a few batches
+    (or one whose FLOPs were miscounted) says nothing about the device, and one such
+    figure in the cache would shrink every later run's MFU."""
     names = probe_dtypes(device)
     fresh = {n: measure_matmul_flops(device, DTYPES[n]) for n in names}
     flops = {n: max(peak.flops.get(n, 0.0), fresh[n]) for n in names}
