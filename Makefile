@@ -1,9 +1,9 @@
 # `make train` and `make test` set up .venv themselves: the engine, every plugin in
-# algorithms/ (editable) and the test tools. Python 3.10+ and pip are all they need.
+# algorithms/ and callbacks/ (editable) and the test tools. Python 3.10+ and pip are all they need.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PLUGINS := $(sort $(wildcard algorithms/*/pyproject.toml))
+PLUGINS := $(sort $(wildcard algorithms/*/pyproject.toml callbacks/*/pyproject.toml))
 STAMP := $(VENV)/.installed
 # `make test` runs the suite on this many pytest-xdist workers, a test file per
 # worker (module fixtures run once); `make test TEST_WORKERS=0` runs it in one process.
@@ -16,7 +16,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml setup.cfg $(PLUGINS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade --quiet "pip>=23" "setuptools>=64" wheel
-	$(BIN)/python -m pip install --quiet -e ".[dev]" $(foreach p,$(PLUGINS),-e $(dir $(p)))
+	$(BIN)/python -m pip install --quiet -e ".[dev,sweep]" $(foreach p,$(PLUGINS),-e $(dir $(p)))
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -68,7 +68,7 @@ def _make_event(event: str):
 
 
 for _event in EVENTS:
-    if _event == "exception":
+    if _event in ("exception", "log_metrics"):
         continue
     setattr(Probe, _event, _make_event(_event))
 

@@ -34,7 +34,7 @@ class Counter(Algorithm):
 def test_checkpoint_contents_load_with_weights_only(tmp_path):
     trainer = train(tmp_path, [Counter()], max_duration="2ep", checkpoint_interval="1ep")
     folder = trainer.run_dir / "checkpoints"
-    assert sorted(p.name for p in folder.iterdir()) == ["ep1-ba4.pt", "ep2-ba8.pt", "latest.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["best.pt", "ep1-ba4.pt", "ep2-ba8.pt", "latest.pt"]
     payload = torch.load(folder / "latest.pt", weights_only=True)
     assert set(payload) >= {"model", "optimizer", "plugins", "timestamp", "config", "rng"}
     assert payload["model"].keys() == trainer.state.unwrapped_model.state_dict().keys()
@@ -139,7 +139,7 @@ def test_a_failed_run_overwrites_no_checkpoint(tmp_path):
     # The failure is the only way this run ends: nothing it saves on the way out
     # (the state of a batch that failed half-way) may replace the last good checkpoint.
     assert latest.read_bytes() == before
-    assert sorted(p.name for p in latest.parent.iterdir()) == ["ep0-ba2.pt", "latest.pt"]
+    assert sorted(p.name for p in latest.parent.iterdir()) == ["best.pt", "ep0-ba2.pt", "latest.pt"]
 
 
 def test_sigterm_ends_the_run_cleanly_with_a_checkpoint(tmp_path):
@@ -207,3 +207,46 @@ def test_a_resumed_runs_throughput_counts_its_own_session(tmp_path, monkeypatch)
     )
     assert resumed.summary["wall_time_s"] == pytest.approx(9.0)  # the run's clock goes on
     assert resumed.summary["samples_per_s"] == pytest.approx(8.0)
+
+
+class OwnsModelState(Algorithm):
+    """A parallelism plugin in miniature: wraps the model, and saves and loads the
+    model and optimizer state its own way (the weights stored negated)."""
+
+    name = "owns_model_state"
+
+    def __init__(self):
+        super().__init__()
+        self.wrapped = False
+        self.loaded = None
+
+    @hookimpl
+    def wrap_model(self, state):
+        self.wrapped = True
+        return torch.nn.Sequential(state.model)  # a wrapper, as DDP is one
+
+    @hookimpl
+    def state_dicts(self, state):
+        weights = state.model[0].state_dict()
+        return {"model": {k: -v for k, v in weights.items()}, "optimizer": state.optimizer.state_dict()}
+
+    @hookimpl
+    def load_state_dicts(self, state, state_dicts):
+        self.loaded = state_dicts
+        state.model.load_state_dict({k: -v for k, v in state_dicts["model"].items()})
+        state.optimizer.load_state_dict(state_dicts["optimizer"])
+        return True
+
+
+def test_a_plugin_owns_wrapping_saving_and_loading_through_the_step_hooks(tmp_path):
+    owner = OwnsModelState()
+    first = train(tmp_path / "a", [owner], max_duration="2ba", checkpoint_interval="2ba")
+    assert owner.wrapped and isinstance(first.state.model, torch.nn.Sequential)
+    payload = load_checkpoint(first.run_dir / "checkpoints" / "latest.pt")
+    live = first.state.model[0].state_dict()
+    assert all(torch.equal(payload["model"][k], -live[k]) for k in live)  # the plugin's format
+    reader = OwnsModelState()
+    resumed = train(tmp_path / "b", [reader], max_duration="2ba", load_path=first.run_dir / "checkpoints" / "latest.pt")
+    assert reader.loaded is not None  # the plugin loaded it, not the engine's default
+    assert resumed.state.timestamp.batch == 2  # nothing left to train: the weights are as loaded
+    assert all(torch.equal(v, live[k]) for k, v in resumed.state.model[0].state_dict().items())

@@ -10,6 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from slipstream import ConfigError, TrainerOptions
+from slipstream.config import build_config
+
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 
 # Run under torchrun by the test: trains through the Python API with a probe that
@@ -114,3 +117,104 @@ def test_ranks_see_different_data_and_end_with_equal_weights(tmp_path):
         assert torch.equal(weight, r1["final"][name]), name
     # ... and they did train.
     assert any(not torch.equal(r0["initial"][k], r0["final"][k]) for k in r0["final"])
+
+
+TINY_RUN = (
+    "--quiet", "model.name=test_resnet", "data.train_size=64", "data.val_size=16",
+    "data.image_size=16", "data.batch_size=8", "trainer.max_duration=2ba", "trainer.threads=1",
+)
+
+
+def _slipstream(*args: str, cwd=None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "slipstream", "train", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+    )
+
+
+def test_two_launchers_as_two_nodes_train_one_fsdp_run(tmp_path):
+    # Two "machines" on localhost: node 0 hosts the rendezvous, each starts one process.
+    # No trainer.run_dir: each process names one by its clock and rank 0's is used by
+    # all, so the shards of both ranks land in the one run directory.
+    port = _free_port()
+    nodes = [
+        _slipstream(
+            "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(rank),
+            "--master-addr", "127.0.0.1", "--master-port", str(port),
+            *TINY_RUN, "--algorithms", "fsdp", "algorithms.fsdp.sharded_checkpoint=true",
+            cwd=tmp_path,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1  # one run directory ...
+    run_dir = runs[0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["samples"] == 2 * 8 * 2
+    assert [a["name"] for a in summary["algorithms"]][-1] == "fsdp"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in records if r["kind"] == "eval"]) == 1  # ... written once
+    assert len(list(run_dir.glob("checkpoints/ep*-ba2.dcp/*.distcp"))) == 2  # a shard per rank
+
+
+def test_launcher_refuses_bad_config_before_starting_and_says_it_once(tmp_path):
+    # Refused in the launching process: no worker starts, one line, no traceback.
+    bad = _slipstream("--nproc-per-node", "2", *TINY_RUN, "algorithms.fsdp.min_params=0")
+    out, err = bad.communicate(timeout=120)
+    assert bad.returncode == 2
+    assert err.count("slipstream: error:") == 1 and "min_params" in err
+    assert "Traceback" not in err
+    # An error only the workers can find (the data) is still said once, by rank 0.
+    missing = _slipstream(
+        "--nproc-per-node", "2", *TINY_RUN, "data.name=imagefolder", f"data.root={tmp_path / 'none'}",
+        f"trainer.run_dir={tmp_path / 'run'}",
+    )
+    out, err = missing.communicate(timeout=300)
+    assert missing.returncode == 2
+    assert err.count("slipstream: error:") == 1 and "does not exist" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+class _HalfUsed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_ddp_options_and_the_unused_parameter_message(monkeypatch):
+    from types import SimpleNamespace
+
+    import slipstream.services.steps as steps
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    monkeypatch.setattr(steps, "is_distributed", lambda: True)  # DDP's checks run at any world size
+    try:
+        def two_steps(defaults):
+            state = SimpleNamespace(model=_HalfUsed(), batch=(torch.rand(3, 2), None), device=torch.device("cpu"))
+            state.model = defaults.wrap_model(state)
+            for _ in range(2):
+                defaults.forward(state).sum().backward()
+            return state.model
+
+        with pytest.raises(ConfigError, match=r"set trainer\.ddp\.find_unused_parameters=true"):
+            two_steps(steps.DefaultSteps())
+        ddp = two_steps(steps.DefaultSteps({"find_unused_parameters": True, "bucket_cap_mb": 1}))
+        assert ddp.find_unused_parameters and ddp.bucket_bytes_cap == 1024 * 1024
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_options_are_checked():
+    with pytest.raises(ConfigError, match=r"trainer\.ddp\.bucket is not a DDP option; allowed: bucket_cap_mb"):
+        TrainerOptions(ddp={"bucket": 3}).validate("trainer.")
+    with pytest.raises(ConfigError, match=r"bucket_cap_mb must be a number of megabytes > 0"):
+        TrainerOptions(ddp={"bucket_cap_mb": 0}).validate()
+    cfg = build_config("default", None, ["trainer.ddp.static_graph=true"])
+    ddp = TrainerOptions.from_config(cfg.trainer).validate().ddp
+    assert ddp == {"static_graph": True, "find_unused_parameters": False}

@@ -10,7 +10,7 @@ import pkgutil
 import pytest
 
 import slipstream
-from slipstream.plugins import discover
+from slipstream.plugins import CALLBACKS_GROUP, ENTRY_POINT_GROUP, discover
 
 
 def _engine_modules() -> list[str]:
@@ -23,7 +23,13 @@ def _engine_modules() -> list[str]:
 
 def _plugin_modules() -> list[str]:
     # Entry points name "module:Class"; the module is what holds the functional API.
-    return sorted({info.target.split(":")[0] for info in discover(load=False).values()})
+    return sorted(
+        {
+            info.target.split(":")[0]
+            for group in (ENTRY_POINT_GROUP, CALLBACKS_GROUP)
+            for info in discover(load=False, group=group).values()
+        }
+    )
 
 
 MODULES = _engine_modules() + _plugin_modules()

@@ -143,3 +143,30 @@ def test_config_dataclasses_of_builtin_algorithms_are_omegaconf_compatible():
         if info.cls is not None and info.cls.config_class is not None:
             assert dataclasses.is_dataclass(info.cls.config_class), info.name
             OmegaConf.structured(info.cls.config_class)  # raises on unsupported field types
+
+
+def test_the_listing_reads_metadata_and_imports_no_plugin(site, tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import fake_distribution
+    from slipstream.plugins import list_installed
+
+    fake_distribution(site, "slipstream-gone", {"gone": "gone_mod:Gone"}, {})  # no module at all
+    fake_distribution(
+        site, "slipstream-loud", {"loud": "loud_mod:Loud"}, {"loud_mod": "raise RuntimeError('imported')\n"}
+    )
+    listed = {info.name: info for info in list_installed()}
+    assert "loud_mod" not in sys.modules
+    assert listed["loud"].error is None  # not imported, so not known to fail
+    assert listed["gone"].error == "ModuleNotFoundError: No module named 'gone_mod'"  # found cheaply
+    assert listed["channels_last"].summary.startswith("Slipstream plugin: channels-last")  # metadata
+    checked = {info.name: info for info in list_installed(check=True)}
+    assert checked["loud"].error == "RuntimeError: imported"
+    # The command imports neither torch nor any model or augmentation library.
+    code = (
+        "import sys; from slipstream.cli import main; main(['algorithms']); "
+        "print(sorted(m for m in ('torch', 'timm', 'torchvision', 'kornia') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines()[-1] == "[]"

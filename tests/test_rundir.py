@@ -51,6 +51,18 @@ def test_clear_removes_the_contract_files_only(tmp_path):
     assert left == ["checkpoints/mine.pt", "data.csv", "metrics.jsonl.bak"]
 
 
+def test_shard_folders_of_sharded_checkpoints_belong_to_the_run(tmp_path):
+    paths = RunDir(tmp_path)
+    shards = paths.shards(0, 3)
+    assert shards == paths.shards_of(paths.checkpoint(0, 3)) == tmp_path / "checkpoints" / "ep0-ba3.dcp"
+    shards.mkdir(parents=True)
+    (shards / "__0_0.distcp").write_text("x")
+    (tmp_path / "checkpoints" / "mine.dcp").mkdir()  # not a name the run writes
+    assert paths.holds_run() == ["checkpoints/ep0-ba3.dcp"]  # protected like a checkpoint
+    assert shards in paths.clear()
+    assert not shards.exists() and (tmp_path / "checkpoints" / "mine.dcp").is_dir()
+
+
 def test_a_missing_load_path_fails_before_touching_the_run_dir(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         train(tmp_path, [], max_duration="2ba", load_path=tmp_path / "nope.pt")

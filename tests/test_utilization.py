@@ -260,6 +260,19 @@ def test_a_peak_cached_on_a_busy_machine_is_raised_by_the_run_that_beats_it(
     assert again["peak_source"] == "cache" and counted_probe == ["fp32", "bf16"]
 
 
+def test_a_runs_own_rate_never_becomes_the_cached_peak(tmp_path, monkeypatch) -> None:
+    # A run of a few batches can time itself at an absurd rate; caching that as the
+    # device's peak would make every later run's MFU tiny. Only probes enter the cache.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(pf, "measure_matmul_flops", lambda device, dtype, **_: 1e3)
+    cpu = torch.device("cpu")
+    key = pf.machine_key(cpu, threads=torch.get_num_threads())
+    with pytest.warns(UserWarning, match="measured on a busy machine"):
+        summary = train(tmp_path / "a", model=conv_net()).summary
+    assert summary["mfu"] > 1  # still busy: the probe cannot explain the run, and says so
+    assert json.loads(pf.cache_path().read_text())[key]["flops"]["fp32"] == 1e3
+
+
 def test_the_real_probe_measures_a_plausible_rate() -> None:
     started = torch.get_rng_state()
     rate = pf.measure_matmul_flops(torch.device("cpu"), torch.float32, seconds=0.05)

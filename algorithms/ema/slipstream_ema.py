@@ -12,6 +12,10 @@ Time, not step count, sets the decay: each update applies ``decay ** k`` for the
 ``0.5 ** (b / half_life)`` for the ``b`` batches since then when ``half_life`` is a
 duration — so under gradient accumulation of ``n`` batches the per-step decay is
 ``0.5 ** (n / half_life_in_batches)``, i.e. the half-life counted in optimizer steps.
+
+A sharded model (FSDP, parameters that are DTensors) gets a sharded average: each
+process averages its own shards only (:class:`LocalShards`), so the EMA costs 1/N of
+the model per process, as the model does; checkpoints gather it to full weights.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.swa_utils import AveragedModel
 
 from slipstream import Algorithm, ConfigError, Duration, State, hookimpl, parse_duration_option
@@ -81,6 +86,58 @@ class EMAConfig:
             raise ValueError(f"update_every must be an integer >= 1, got {self.update_every}")
 
 
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class LocalShards(nn.Module):
+    """This process's shards of a sharded model's parameters (then its buffers), as
+    parameters and buffers of a flat module that shares their storage, in the model's
+    order: what ``AveragedModel`` averages when the model is sharded.
+
+    ``full_state_dict``/``load_full_state_dict`` convert the shards of a module of this
+    layout (the average) to and from full tensors under the model's own names.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        named = list(model.named_parameters())
+        self.names = [n for n, _ in named] + [n for n, _ in model.named_buffers()]
+        # (mesh, placements, shape, stride) of each sharded tensor; None for plain ones.
+        self.specs = [
+            (p.device_mesh, p.placements, p.shape, p.stride()) if isinstance(p, DTensor) else None
+            for _, p in named
+        ]
+        self.shards = nn.ParameterList(
+            [nn.Parameter(_local(p.detach()), requires_grad=False) for _, p in named]
+        )
+        for i, (_, b) in enumerate(model.named_buffers()):
+            self.register_buffer(f"buffer{i}", _local(b))
+            self.specs.append(None)
+
+    def _tensors(self, module: nn.Module) -> list[Tensor]:
+        return [*module.parameters(), *module.buffers()]
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
+        """Full tensors of ``module``'s shards (a collective: call on every rank)."""
+        out = {}
+        for name, spec, t in zip(self.names, self.specs, self._tensors(module), strict=True):
+            if spec is not None:
+                mesh, placements, shape, stride = spec
+                t = DTensor.from_local(t, mesh, placements, shape=shape, stride=stride).full_tensor()
+            out[name] = t.detach().cpu()
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, module: nn.Module, state_dict: dict[str, Tensor]) -> None:
+        """Keep this process's shards of the full tensors in ``state_dict``."""
+        for name, spec, t in zip(self.names, self.specs, self._tensors(module), strict=True):
+            full = state_dict[name].to(t.device)
+            if spec is not None:
+                full = distribute_tensor(full, spec[0], spec[1], src_data_rank=None).to_local()
+            t.copy_(full)
+
+
 def _half_life_in_batches(state: State, text: str) -> float:
     half_life = Duration.parse(text)
     if half_life.unit == "ba":
@@ -99,7 +156,8 @@ class EMA(Algorithm):
 
     name = "ema"
     config_class = EMAConfig
-    runs_after = ("locality_ffn", "channels_last")  # average the final parameters
+    # Average the final parameters (the shards, once fsdp has sharded them).
+    runs_after = ("locality_ffn", "channels_last", "fsdp")
     runs_before = ("torch_compile",)  # copy the plain module, not the compiled one
 
     def __init__(self, config: EMAConfig | None = None) -> None:
@@ -116,6 +174,7 @@ class EMA(Algorithm):
         self._last_step = 0  # optimizer steps at the latest update
         self._last_batch = 0  # batches at the latest update
         self._backup: list[Tensor] | None = None  # live weights while the EMA is swapped in
+        self._shards: LocalShards | None = None  # the live model's shards, when it is sharded
 
     @property
     def ema_model(self) -> nn.Module:
@@ -127,12 +186,20 @@ class EMA(Algorithm):
     def _average(self, ema: list[Tensor], live: list[Tensor], n_averaged: Any) -> None:
         ema_update(ema, live, self.last_decay)
 
+    def _live(self, state: State) -> nn.Module:
+        """The weights the average follows: the model, or its local shards."""
+        return self._shards if self._shards is not None else state.unwrapped_model
+
     @hookimpl
     def init(self, state: State) -> None:
         if self.config.half_life is not None:
             self.half_life_batches = _half_life_in_batches(state, self.config.half_life)
+        model = state.unwrapped_model
+        if any(isinstance(p, DTensor) for p in model.parameters()):  # sharded (FSDP)
+            self._shards = LocalShards(model)
+            state.summary["ema_sharded"] = True
         self.averaged = AveragedModel(
-            state.unwrapped_model,
+            self._live(state),
             multi_avg_fn=self._average,
             use_buffers=self.config.average_buffers,
         )
@@ -141,7 +208,7 @@ class EMA(Algorithm):
     @hookimpl
     def fit_start(self, state: State) -> None:
         if int(self.averaged.n_averaged) == 0:  # nothing averaged yet, or resumed without EMA
-            self._copy_into(_tensors(self.ema_model, True), _tensors(state.unwrapped_model, True))
+            self._copy_into(_tensors(self.ema_model, True), _tensors(self._live(state), True))
 
     @hookimpl
     def after_optimizer_step(self, state: State) -> None:
@@ -160,7 +227,7 @@ class EMA(Algorithm):
             self.last_decay = half_life_decay(self.half_life_batches, batches - self._last_batch)
         else:
             self.last_decay = self.decay ** (ts.optimizer_steps - self._last_step)
-        self.averaged.update_parameters(state.unwrapped_model)
+        self.averaged.update_parameters(self._live(state))
         self._last_step, self._last_batch = ts.optimizer_steps, batches
 
     # -- evaluation with the averaged weights ----------------------------------------
@@ -170,7 +237,7 @@ class EMA(Algorithm):
         if not self.config.eval_with_ema or self._backup is not None:
             return
         buffers = self.config.average_buffers  # copied buffers: the live ones are fresher
-        live = _tensors(state.unwrapped_model, buffers)
+        live = _tensors(self._live(state), buffers)
         self._backup = [t.detach().clone() for t in live]
         self._copy_into(live, _tensors(self.ema_model, buffers))
         state.summary["ema"] = True
@@ -194,7 +261,7 @@ class EMA(Algorithm):
     def _restore(self, state: State) -> None:
         if self._backup is None:
             return
-        self._copy_into(_tensors(state.unwrapped_model, self.config.average_buffers), self._backup)
+        self._copy_into(_tensors(self._live(state), self.config.average_buffers), self._backup)
         self._backup = None
 
     @staticmethod
@@ -208,7 +275,12 @@ class EMA(Algorithm):
         if self.averaged is None:
             return {}
         return {
-            "weights": self.ema_model.state_dict(),
+            # Full weights under the model's names, also when each rank holds shards.
+            "weights": (
+                self._shards.full_state_dict(self.ema_model)
+                if self._shards is not None
+                else self.ema_model.state_dict()
+            ),
             "n_averaged": int(self.averaged.n_averaged),
             "last_step": self._last_step,
             "last_batch": self._last_batch,
@@ -219,7 +291,10 @@ class EMA(Algorithm):
         # The engine calls this after init (the hook contract), so the copy exists.
         if not state:
             return
-        self.ema_model.load_state_dict(state["weights"])
+        if self._shards is not None:
+            self._shards.load_full_state_dict(self.ema_model, state["weights"])
+        else:
+            self.ema_model.load_state_dict(state["weights"])
         self.averaged.n_averaged.fill_(int(state["n_averaged"]))
         self._last_step = int(state["last_step"])
         self._last_batch = int(state["last_batch"])

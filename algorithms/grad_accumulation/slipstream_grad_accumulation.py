@@ -11,13 +11,14 @@ batch's would be.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from torch import nn
 
-from slipstream import Algorithm, State, hookimpl
+from slipstream import Algorithm, State, hookimpl, unwrap_model
 
 
 @dataclass
@@ -73,6 +74,27 @@ def _find_ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
     return model
 
 
+@contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Skip the gradient reduction of the backward passes inside: DDP's ``no_sync()``,
+    or FSDP2's ``set_requires_gradient_sync(False)`` (gradients then accumulate
+    unsharded until the next backward that syncs). Nothing for a model in one process."""
+    ddp = _find_ddp(model)
+    if ddp is not None:
+        with ddp.no_sync():
+            yield
+        return
+    sharded = unwrap_model(model)
+    if not hasattr(sharded, "set_requires_gradient_sync"):  # not an FSDP2 module
+        yield
+        return
+    sharded.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        sharded.set_requires_gradient_sync(True)
+
+
 class GradAccumulation(Algorithm):
     """Step the optimizer every N batches with the loss divided by N (no all-reduce in between)."""
 
@@ -108,9 +130,8 @@ class GradAccumulation(Algorithm):
         divisor = plan.divisor - self._lost
         if divisor > 1:
             state.loss = loss / divisor  # whoever does the backward (a GradScaler too) sees this
-        ddp = None if plan.step else _find_ddp(state.model)
         try:
-            with ddp.no_sync() if ddp is not None else nullcontext():
+            with nullcontext() if plan.step else no_gradient_sync(state.model):
                 return (yield)
         finally:
             state.loss = loss  # after_backward and later see the batch's own loss
@@ -132,4 +153,10 @@ class GradAccumulation(Algorithm):
             self._pending = 0
 
 
-__all__ = ["AccumulationPlan", "GradAccumulation", "GradAccumulationConfig", "accumulation_plan"]
+__all__ = [
+    "AccumulationPlan",
+    "GradAccumulation",
+    "GradAccumulationConfig",
+    "accumulation_plan",
+    "no_gradient_sync",
+]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
+
+from .plugin import Plugin
 
 
-class Algorithm:
+class Algorithm(Plugin):
     """A speed-up technique: a name, an optional config dataclass and hook methods.
 
     Subclasses set ``name`` (what users type after ``--algorithms``) and may set
@@ -21,28 +23,7 @@ class Algorithm:
     must survive a checkpoint goes through ``state_dict`` / ``load_state_dict``.
     """
 
-    name: ClassVar[str] = ""
-    config_class: ClassVar[type | None] = None
+    kind: ClassVar[str] = "algorithm"
     runs_after: ClassVar[tuple[str, ...]] = ()
     runs_before: ClassVar[tuple[str, ...]] = ()
     conflicts_with: ClassVar[tuple[str, ...]] = ()
-
-    def __init__(self, config: Any = None) -> None:
-        if config is None and self.config_class is not None:
-            config = self.config_class()
-        self.config = config
-
-    @classmethod
-    def summary(cls) -> str:
-        """One line for ``slipstream algorithms``: the docstring's first line."""
-        doc = (cls.__doc__ or "").strip()
-        return doc.splitlines()[0] if doc else ""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        del state
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.config!r})"

@@ -74,6 +74,68 @@ def nonfinite_tensors(tensors: Mapping[str, Any]) -> list[str]:
     return [n for n, ok in zip(names, finite.tolist(), strict=True) if not ok]
 
 
+def sharded_parts(state_dicts: Mapping[str, Any]) -> list[str]:
+    """The keys of ``state_dicts`` ({"model": ..., "optimizer": ...}) whose tensors
+    are ``DTensor`` shards: what goes to torch.distributed.checkpoint, not the file."""
+    from torch.distributed.tensor import DTensor
+
+    def holds_shards(value: Any) -> bool:
+        if isinstance(value, DTensor):
+            return True
+        if isinstance(value, Mapping):
+            return any(holds_shards(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return any(holds_shards(v) for v in value)
+        return False
+
+    return [key for key, value in state_dicts.items() if holds_shards(value)]
+
+
+def local_tensors(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each DTensor replaced by this rank's shard (flattened one
+    level for an optimizer's per-parameter state), for checks that need no collective."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Any] = {}
+    for name, value in state_dict.items():
+        if isinstance(value, Mapping):
+            out.update({f"{name}.{k}": v for k, v in local_tensors(value).items()})
+        else:
+            out[name] = value.to_local() if isinstance(value, DTensor) else value
+    return out
+
+
+def save_shards(state_dicts: dict[str, Any], folder: Path) -> None:
+    """Write ``state_dicts`` with torch.distributed.checkpoint (every rank writes its
+    own shards; a collective). An older folder of the same name is replaced."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state_dicts, checkpoint_id=str(folder))
+
+
+def load_shards(template: dict[str, Any], path: Path, payload: Mapping[str, Any]) -> dict[str, Any]:
+    """Read the shards that checkpoint ``path`` names into ``template`` (the state
+    dicts of this run, sharded as this run shards them; torch.distributed.checkpoint
+    reshards to another world size) and return it."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(path).parent / payload["shards"]
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"checkpoint {path} keeps its model and optimizer in {folder}, which does not exist"
+        )
+    parts = {key: template[key] for key in payload.get("sharded_parts", ("model", "optimizer"))}
+    if sorted(sharded_parts(parts)) != sorted(parts):
+        raise CheckpointError(
+            f"checkpoint {path} is sharded (torch.distributed.checkpoint shards in {folder}) and "
+            "this run does not shard the model: resume it with the plugin that wrote it "
+            "(algorithms.fsdp), or resume from a full checkpoint (the default, "
+            "sharded_checkpoint: false)"
+        )
+    dcp.load(parts, checkpoint_id=str(folder))
+    return {**template, **parts}
+
+
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
     """Read a checkpoint written by Slipstream, or raise CheckpointError saying why not."""
     path = Path(path)
@@ -99,17 +161,23 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     return payload
 
 
-def checkpoint_payload(state: State, algorithms: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """What a checkpoint of ``state`` holds. ``algorithms`` are the run's algorithm
-    records (name, version, distribution, config) in the order of ``state.algorithms``;
-    each plugin's ``state_dict()`` is stored beside its record."""
+def checkpoint_payload(
+    state: State, algorithms: Sequence[Mapping[str, Any]], hook: Any = None
+) -> dict[str, Any]:
+    """What a checkpoint of ``state`` holds. ``algorithms`` are the run's plugin
+    records (name, version, distribution, config) in the order of
+    ``state.algorithms`` then ``state.callbacks``; each plugin's ``state_dict()`` is
+    stored beside its record. ``hook`` is the run's
+    hook relay: its ``state_dicts`` step gives the model's and optimizer's state (a
+    parallelism plugin's, or the plain ``state_dict()``s without one)."""
     plugins = {
-        record["name"]: {**record, "state": algo.state_dict()}
-        for algo, record in zip(state.algorithms, algorithms, strict=True)
+        record["name"]: {**record, "state": plugin.state_dict()}
+        for plugin, record in zip([*state.algorithms, *state.callbacks], algorithms, strict=True)
     }
+    state_dicts = _state_dicts(state, hook)  # every rank: may gather shards
     return {
-        "model": state.unwrapped_model.state_dict(),
-        "optimizer": state.optimizer.state_dict(),
+        "model": state_dicts["model"],
+        "optimizer": state_dicts["optimizer"],
         "optimizer_class": type(state.optimizer).__name__,
         "schedulers": [s.state_dict() for s in state.schedulers],
         "plugins": plugins,
@@ -121,26 +189,41 @@ def checkpoint_payload(state: State, algorithms: Sequence[Mapping[str, Any]]) ->
     }
 
 
-def restore_checkpoint(state: State, path: str | Path, *, verbose: bool = False) -> None:
+def _state_dicts(state: State, hook: Any) -> dict[str, Any]:
+    if hook is not None:
+        return hook.state_dicts(state=state)
+    return {"model": state.unwrapped_model.state_dict(), "optimizer": state.optimizer.state_dict()}
+
+
+def restore_checkpoint(
+    state: State, path: str | Path, *, verbose: bool = False, hook: Any = None
+) -> None:
     """Load the checkpoint at ``path`` into ``state``: model, optimizer, schedulers,
     the state of each plugin of this run, timestamp and random generators. Raises
-    CheckpointError when the model or optimizer does not fit it."""
+    CheckpointError when the model or optimizer does not fit it. ``hook`` is the run's
+    hook relay: its ``load_state_dicts`` step loads the model and optimizer (and a
+    sharded checkpoint is read into the shapes its ``state_dicts`` step gives)."""
     path = Path(path)
     payload = load_checkpoint(path, map_location=state.device)
-    try:
-        state.unwrapped_model.load_state_dict(payload["model"])
-    except RuntimeError as exc:
-        detail = " ".join(str(exc).split())[:400]
-        raise CheckpointError(
-            f"checkpoint {path} does not fit this model: {detail}. {written_by(payload, state)}"
-        ) from None
     # torch loads another optimizer's state without a word and fails at the
     # first step, so the class is compared first (older checkpoints lack it).
     saved_class = payload.get("optimizer_class")
     try:
         if saved_class not in (None, type(state.optimizer).__name__):
             raise ValueError(f"it holds the state of {saved_class}")
-        state.optimizer.load_state_dict(payload["optimizer"])
+        state_dicts = {"model": payload["model"], "optimizer": payload["optimizer"]}
+        if payload.get("shards"):
+            state_dicts = load_shards(_state_dicts(state, hook), path, payload)
+        if hook is not None:
+            hook.load_state_dicts(state=state, state_dicts=state_dicts)
+        else:
+            state.unwrapped_model.load_state_dict(state_dicts["model"])
+            state.optimizer.load_state_dict(state_dicts["optimizer"])
+    except RuntimeError as exc:
+        detail = " ".join(str(exc).split())[:400]
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model: {detail}. {written_by(payload, state)}"
+        ) from None
     except (ValueError, KeyError) as exc:
         raise CheckpointError(
             f"checkpoint {path}: optimizer state does not fit {type(state.optimizer).__name__} "
@@ -149,10 +232,11 @@ def restore_checkpoint(state: State, path: str | Path, *, verbose: bool = False)
     for scheduler, saved in zip(state.schedulers, payload.get("schedulers", []), strict=False):
         scheduler.load_state_dict(saved)
     saved_plugins = payload.get("plugins", {})
-    for algo in state.algorithms:
-        if algo.name in saved_plugins:
-            algo.load_state_dict(saved_plugins[algo.name]["state"])
-    missing = sorted(set(saved_plugins) - {a.name for a in state.algorithms})
+    everyone = [*state.algorithms, *state.callbacks]
+    for plugin in everyone:
+        if plugin.name in saved_plugins:
+            plugin.load_state_dict(saved_plugins[plugin.name]["state"])
+    missing = sorted(set(saved_plugins) - {p.name for p in everyone})
     if missing and verbose:
         print(
             f"slipstream: checkpoint state of {', '.join(missing)} not used (not in this run)",

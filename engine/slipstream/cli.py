@@ -1,8 +1,12 @@
 """The command line: a thin layer over the Python API.
 
-slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [key=value ...]
-slipstream algorithms [--json]
+slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [--callbacks a,no:b] [key=value ...]
+                 [--nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]]
+slipstream algorithms [--json] [--check]
+slipstream callbacks [--json] [--check]
 slipstream recipes [--json]
+slipstream sweep --recipe R --trials N [--sweep-dir D] [--metric accuracy] [--direction maximize]
+                 key=loguniform(a,b) key=uniform(a,b) key=int(a,b) key=choice(x,y) [key=value ...]
 slipstream plot RUN_DIR [RUN_DIR ...] [-o runs.png]
 slipstream compare RUN_DIR [RUN_DIR ...] [--target 0.6] [--json]
 """
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import (
+    ConfigError,
     ConfigWarning,
     SlipstreamError,
     describe,
@@ -49,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train",
         help="train a model (the default recipe unless --recipe is given)",
-        description="Train. Merge order: defaults < recipe < --algorithms < key=value overrides.",
+        description="Train. Merge order: defaults < recipe < --algorithms/--callbacks < key=value overrides.",
     )
     train.add_argument(
         "--recipe",
@@ -64,7 +69,30 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated algorithms to add; 'no:NAME' removes one",
     )
     train.add_argument(
+        "--callbacks",
+        default=None,
+        help="comma-separated callbacks to add (loggers, profiler, early stopping); "
+        "'no:NAME' removes one",
+    )
+    train.add_argument(
         "--quiet", "-q", action="store_true", help="no progress bar or summary table"
+    )
+    launch = train.add_argument_group(
+        "several processes (torch.distributed.run's elastic agent; without these, one "
+        "process, or whatever torchrun started)"
+    )
+    launch.add_argument(
+        "--nproc-per-node", type=int, default=None, metavar="N", help="processes on this machine"
+    )
+    launch.add_argument("--nnodes", type=int, default=1, metavar="M", help="machines (default 1)")
+    launch.add_argument(
+        "--node-rank", type=int, default=0, metavar="R", help="this machine's index, 0 to M-1"
+    )
+    launch.add_argument(
+        "--master-addr", default=None, metavar="A", help="host of node 0 (needed when M > 1)"
+    )
+    launch.add_argument(
+        "--master-port", type=int, default=None, metavar="P", help="a free TCP port on node 0"
     )
     train.add_argument(
         "overrides",
@@ -75,6 +103,47 @@ def _parser() -> argparse.ArgumentParser:
 
     algos = sub.add_parser("algorithms", help="list installed algorithms")
     algos.add_argument("--json", action="store_true", help="machine-readable output")
+    algos.add_argument(
+        "--check",
+        action="store_true",
+        help="import every plugin and report the ones that fail to load (slower)",
+    )
+
+    sweep = sub.add_parser(
+        "sweep",
+        help="hyper-parameter search over a recipe (optuna: seeded TPE, median pruning)",
+        description="Search hyper-parameters with optuna. Each trial is a run in SWEEP_DIR/trial-NNN; "
+        "the study lives in SWEEP_DIR/study.db, so running the same command again continues it. "
+        "Writes SWEEP_DIR/trials.csv and SWEEP_DIR/best.yaml (train it with --recipe).",
+    )
+    sweep.add_argument("--recipe", "-r", default=None, help="a bundled recipe name or a YAML path (default: 'default')")
+    sweep.add_argument("--trials", "-n", type=int, required=True, help="finished trials the sweep should hold")
+    sweep.add_argument("--sweep-dir", "-d", default=None, help="default: runs/sweep-<recipe>-<date>-<time>")
+    sweep.add_argument("--metric", default="accuracy", help="eval metric: accuracy, accuracy_top5 or loss")
+    sweep.add_argument(
+        "--direction", default=None, choices=("maximize", "minimize"), help="default: the metric's own"
+    )
+    sweep.add_argument(
+        "--pruner-startup-trials",
+        type=int,
+        default=2,
+        metavar="N",
+        help="finished trials before the median pruner prunes (default 2)",
+    )
+    sweep.add_argument(
+        "space",
+        nargs="*",
+        metavar="key=FORM",
+        help="key=loguniform(a,b), key=uniform(a,b), key=int(a,b), key=choice(x,y,...), or a fixed key=value",
+    )
+
+    callbacks = sub.add_parser("callbacks", help="list installed callbacks")
+    callbacks.add_argument("--json", action="store_true", help="machine-readable output")
+    callbacks.add_argument(
+        "--check",
+        action="store_true",
+        help="import every callback and report the ones that fail to load (slower)",
+    )
 
     recipes = sub.add_parser("recipes", help="list bundled recipes")
     recipes.add_argument("--json", action="store_true", help="machine-readable output")
@@ -109,10 +178,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Options and key=value overrides may come in any order: argparse gives the
     # overrides after the first option back as extras, which join the others in order.
     args, extras = parser.parse_known_args(argv)
-    unknown = [e for e in extras if args.command != "train" or e.startswith("-") or "=" not in e]
+    takes_pairs = args.command in ("train", "sweep")
+    unknown = [e for e in extras if not takes_pairs or e.startswith("-") or "=" not in e]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if extras:
+    if extras and args.command == "sweep":
+        args.space = [*args.space, *extras]
+    elif extras:
         args.overrides = [*args.overrides, *extras]
     if args.command is None:
         parser.print_help()
@@ -195,7 +267,13 @@ def _train(args: argparse.Namespace) -> int:
     from .runner import build_trainer
 
     recipe = args.recipe or DEFAULT_RECIPE
-    cfg = build_config(recipe, args.algorithms, args.overrides)
+    cfg = build_config(recipe, args.algorithms, args.overrides, callbacks=args.callbacks)
+    if args.nproc_per_node is not None:
+        return _launch(args, cfg)
+    if args.nnodes != 1 or args.node_rank or args.master_addr or args.master_port:
+        raise ConfigError(
+            "--nnodes, --node-rank, --master-addr and --master-port go with --nproc-per-node N"
+        )
     if args.quiet:
         cfg.trainer.progress_bar = False
     trainer = build_trainer(cfg, label=Path(recipe).stem, verbose=not args.quiet)
@@ -206,6 +284,30 @@ def _train(args: argparse.Namespace) -> int:
         elif summary.get("stop_reason"):  # the trainer said it already when not quiet
             print(f"slipstream: {summary['stop_reason']}", file=sys.stderr)
     return exit_code(summary)
+
+
+def _launch(args: argparse.Namespace, cfg: Any) -> int:
+    """Validate what the workers would build, then start them (torch.distributed.run)."""
+    from .config import to_dict
+    from .launch import LaunchOptions, launch
+    from .plugins import CALLBACKS_GROUP, discover, instantiate, resolve_order
+
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        raise ConfigError(
+            "--nproc-per-node inside a process that torchrun started: drop it, torchrun "
+            "already launched the processes"
+        )
+    options = LaunchOptions(
+        args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr, args.master_port
+    ).validate()
+    installed = discover(load=False)
+    resolve_order(instantiate(dict(to_dict(cfg.algorithms)), installed), installed=set(installed))
+    instantiate(dict(to_dict(cfg.callbacks)), discover(load=False, group=CALLBACKS_GROUP), CALLBACKS_GROUP)
+    passed = [*(["--recipe", args.recipe] if args.recipe else [])]
+    passed += ["--algorithms", args.algorithms] if args.algorithms else []
+    passed += ["--callbacks", args.callbacks] if args.callbacks else []
+    passed += ["--quiet"] if args.quiet else []
+    return launch(options, [*passed, *args.overrides])
 
 
 def exit_code(summary: dict[str, Any]) -> int:
@@ -235,6 +337,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("throughput", f"{summary.get('samples_per_s', 0):.0f} samples/s"),
         ("epochs / batches", f"{summary.get('epochs')} / {summary.get('batches')}"),
         ("algorithms", ", ".join(a["name"] for a in summary.get("algorithms", [])) or "none"),
+        ("callbacks", ", ".join(c["name"] for c in summary.get("callbacks", [])) or "none"),
         ("device", f"{summary.get('device')} x {summary.get('world_size', 1)}"),
         ("run directory", summary.get("run_dir", "-")),
     ]
@@ -245,18 +348,35 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def _algorithms(args: argparse.Namespace) -> int:
-    from .plugins import discover
+    from .plugins import ENTRY_POINT_GROUP
 
-    infos = discover()
-    if args.json:
-        print(json.dumps([info.as_dict() for info in infos.values()], indent=2))
+    return print_plugin_listing(ENTRY_POINT_GROUP, "algorithms", check=args.check, as_json=args.json)
+
+
+def _callbacks(args: argparse.Namespace) -> int:
+    from .plugins import CALLBACKS_GROUP
+
+    return print_plugin_listing(CALLBACKS_GROUP, "callbacks", check=args.check, as_json=args.json)
+
+
+def print_plugin_listing(group: str, kind: str, *, check: bool, as_json: bool) -> int:
+    """Print the plugins of entry-point ``group`` (``kind`` names them: "algorithms").
+
+    From the distributions' metadata, importing no plugin unless ``check``: the
+    listing then costs a fraction of ``import torch``.
+    """
+    from .plugins import list_installed
+
+    infos = list_installed(group, check=check)
+    if as_json:
+        print(json.dumps([info.as_dict() for info in infos], indent=2))
         return 0
     if not infos:
-        print("no algorithms installed (entry point group 'slipstream.algorithms')")
+        print(f"no {kind} installed (entry point group {group!r})")
         return 0
     rows = [
         (i.name, i.distribution, i.version, f"FAILED TO LOAD: {i.error}" if i.error else i.summary)
-        for i in infos.values()
+        for i in infos
     ]
     widths = [
         max(len(r[c]) for r in rows + [("name", "distribution", "version", "")]) for c in range(3)
@@ -266,6 +386,33 @@ def _algorithms(args: argparse.Namespace) -> int:
     )
     for row in rows:
         print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}")
+    if not check:
+        print(f"(plugins not imported; `slipstream {kind} --check` imports each and reports load errors)")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
+    from .recipes import DEFAULT_RECIPE
+    from .rundir import new_run_dir
+
+    try:
+        from .sweep import run_sweep
+    except ImportError as exc:
+        raise ConfigError(
+            f"slipstream sweep needs optuna ({exc}); install it with: pip install 'slipstream[sweep]'"
+        ) from None
+    recipe = args.recipe or DEFAULT_RECIPE
+    sweep_dir = args.sweep_dir or new_run_dir(f"sweep-{Path(recipe).stem}")
+    run_sweep(
+        recipe,
+        args.trials,
+        sweep_dir,
+        args.space,
+        metric=args.metric,
+        direction=args.direction,
+        pruner_startup_trials=args.pruner_startup_trials,
+    )
     return 0
 
 
@@ -313,7 +460,9 @@ def _compare(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "train": _train,
     "algorithms": _algorithms,
+    "callbacks": _callbacks,
     "recipes": _recipes,
+    "sweep": _sweep,
     "plot": _plot,
     "compare": _compare,
 }

@@ -1,5 +1,5 @@
 """Structured run configuration and its merge order:
-defaults < recipe (with ``extends``) < ``--algorithms`` < dotted overrides."""
+defaults < recipe (with ``extends``) < ``--algorithms`` / ``--callbacks`` < dotted overrides."""
 
 from __future__ import annotations
 
@@ -62,6 +62,14 @@ class OptimizerConfig:
 
 
 @dataclass
+class DDPConfig:
+    # DistributedDataParallel, the default wrap of a run of several processes.
+    bucket_cap_mb: Optional[float] = None  # gradients per all-reduce bucket; None: torch's 25
+    static_graph: bool = False  # the same parameters are used every step
+    find_unused_parameters: bool = False  # some parameters get no gradient in a step
+
+
+@dataclass
 class TrainerConfig:
     max_duration: str = "5ep"
     seed: int = 0
@@ -74,6 +82,7 @@ class TrainerConfig:
     load_path: Optional[str] = None  # a checkpoint to resume from
     overwrite: bool = False  # clear the run files of a run_dir that already holds a run
     on_nonfinite: str = "stop"  # stop | warn: what a NaN or infinite training loss does
+    best_metric: Optional[str] = "accuracy"  # accuracy | accuracy_top5 | loss | null: what best.pt keeps
     progress_bar: bool = True
     threads: Optional[int] = None  # torch.set_num_threads; None: torch's default
     deterministic: bool = False  # torch.use_deterministic_algorithms
@@ -82,6 +91,7 @@ class TrainerConfig:
     # The device's peak TFLOP/s for MFU: a number, or {fp32: .., bf16: .., fp16: ..};
     # None: probed once per machine and cached.
     peak_tflops: Optional[Any] = None
+    ddp: DDPConfig = field(default_factory=DDPConfig)
 
 
 @dataclass
@@ -92,6 +102,8 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # name -> options; presence enables the algorithm.
     algorithms: dict[str, Any] = field(default_factory=dict)
+    # name -> options; presence enables the callback (called in this order).
+    callbacks: dict[str, Any] = field(default_factory=dict)
 
 
 SECTIONS = {
@@ -100,6 +112,8 @@ SECTIONS = {
     "optimizer": OptimizerConfig,
     "trainer": TrainerConfig,
 }
+# Sections that map plugin names to their options, and each one's entry-point group.
+PLUGIN_SECTIONS = {"algorithms": "slipstream.algorithms", "callbacks": "slipstream.callbacks"}
 
 
 def load_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -131,17 +145,17 @@ def load_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]
 
 def check_keys(cfg: dict[str, Any], source: str) -> None:
     """Reject unknown keys, naming the closest valid one."""
-    allowed_top = (*SECTIONS, "algorithms", "extends")
+    allowed_top = (*SECTIONS, *PLUGIN_SECTIONS, "extends")
     for section, values in cfg.items():
         if section not in allowed_top:
             raise ConfigError(
                 f"{source}: unknown section {section!r}{did_you_mean(section, allowed_top)}; "
                 f"allowed: {', '.join(allowed_top)}"
             )
-        if section == "algorithms":
+        if section in PLUGIN_SECTIONS:
             if values is not None and not isinstance(values, dict):
                 raise ConfigError(
-                    f"{source}: 'algorithms' must map algorithm names to their options"
+                    f"{source}: {section!r} must map {section[:-1]} names to their options"
                 )
             continue
         if values is None:
@@ -197,6 +211,7 @@ def build_config(
     recipe: str | Path | None = None,
     algorithms: str | None = None,
     overrides: list[str] | None = None,
+    callbacks: str | None = None,
 ) -> DictConfig:
     """Resolve a run's configuration in the documented merge order."""
     merged = OmegaConf.structured(RunConfig)
@@ -207,48 +222,60 @@ def build_config(
     for source, layer in layers:
         merged = _merge(merged, layer, source)
 
-    algos = dict(OmegaConf.to_container(merged.algorithms) or {})
-    if algorithms:
-        add, remove = parse_algorithm_list(algorithms)
-        for name in add:
-            algos.setdefault(name, {})
-        for name in remove:
-            _remove_algorithm(algos, name, f"--algorithms no:{name}")
-
     over = parse_overrides(list(overrides or []))
     check_keys(over, source="command line")
-    for name, options in (over.pop("algorithms", None) or {}).items():
-        # A dotted option for an algorithm enables it: the user asked for it by name.
-        if options is False or options is None:
-            _remove_algorithm(algos, name, f"algorithms.{name}={str(options).lower()}")
-            continue
-        current = algos.get(name) or {}
-        if not isinstance(options, dict):
-            raise ConfigError(f"algorithms.{name} must be given as algorithms.{name}.<key>=<value>")
-        algos[name] = {**current, **options}
+    chosen = {
+        section: _plugin_section(merged, section, flag, over.pop(section, None))
+        for section, flag in (("algorithms", algorithms), ("callbacks", callbacks))
+    }
     merged = _merge(merged, over, "command line")
-    merged.algorithms = {name: (opts or {}) for name, opts in algos.items()}
+    for section, plugins in chosen.items():
+        merged[section] = plugins
     _resolve_interpolations(merged)
     validate(merged)
     warn_no_ops(merged)
     return merged
 
 
-def _remove_algorithm(algos: dict[str, Any], name: str, source: str) -> None:
+def _plugin_section(
+    merged: DictConfig, section: str, flag: str | None, dotted: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The plugins of ``section`` (algorithms or callbacks) with their options: the
+    recipe's, then ``--<section> a,no:b``, then dotted ``<section>.<name>.<key>=v``."""
+    plugins = dict(OmegaConf.to_container(merged[section]) or {})
+    if flag:
+        add, remove = parse_algorithm_list(flag)
+        for name in add:
+            plugins.setdefault(name, {})
+        for name in remove:
+            _remove_plugin(plugins, name, f"--{section} no:{name}", section)
+    for name, options in (dotted or {}).items():
+        # A dotted option for a plugin enables it: the user asked for it by name.
+        if options is False or options is None:
+            _remove_plugin(plugins, name, f"{section}.{name}={str(options).lower()}", section)
+            continue
+        current = plugins.get(name) or {}
+        if not isinstance(options, dict):
+            raise ConfigError(f"{section}.{name} must be given as {section}.{name}.<key>=<value>")
+        plugins[name] = {**current, **options}
+    return {name: (opts or {}) for name, opts in plugins.items()}
+
+
+def _remove_plugin(plugins: dict[str, Any], name: str, source: str, section: str = "algorithms") -> None:
     """Remove ``name``; removing what is not there is refused (a name no plugin
     has) or warned about (installed but not enabled), never silent."""
-    if name in algos:
-        del algos[name]
+    if name in plugins:
+        del plugins[name]
         return
     from .plugins import discover
 
-    installed = discover(load=False)
+    installed = discover(load=False, group=PLUGIN_SECTIONS[section])
     if name not in installed:
         raise ConfigError(
-            f"{source}: no algorithm {name!r} is installed{did_you_mean(name, installed)}; "
-            f"installed algorithms: {', '.join(sorted(installed)) or 'none'}"
+            f"{source}: no {section[:-1]} {name!r} is installed{did_you_mean(name, installed)}; "
+            f"installed {section}: {', '.join(sorted(installed)) or 'none'}"
         )
-    enabled = ", ".join(algos) or "none"
+    enabled = ", ".join(plugins) or "none"
     warnings.warn(
         f"{source} removes nothing: {name!r} is not enabled (enabled: {enabled})",
         ConfigWarning,

@@ -4,6 +4,7 @@ processes only when launched by torchrun (no launcher of our own)."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,3 +41,13 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def from_rank0(value: Any) -> Any:
+    """``value`` as rank 0 has it, on every rank (a run directory named by the clock
+    must be one directory on every node); ``value`` itself in one process."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

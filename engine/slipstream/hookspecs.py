@@ -58,9 +58,14 @@ order given) last. So at every event, plain implementations run as:
     -> engine.divergence (reads the interval's losses at batch_end when a record is due)
     -> engine.checkpoint (saves at batch_end/epoch_end when due, and at fit_end)
     -> engine.summary (writes summary.json at fit_end and on exception)
+    -> callbacks, in the order given (``--callbacks``, a recipe's ``callbacks:``)
 
 so a checkpoint or a metrics record always holds what every algorithm did at that
-event. Exceptions to this order are marked: ``engine.evaluation``'s ``fit_end`` is
+event, and a callback (which observes) sees what the engine recorded: the eval
+record written and ``checkpoints/best.pt`` saved at ``eval_end``, ``summary.json``
+at ``fit_end``. A callback may not implement a step hook.
+
+Exceptions to this order are marked: ``engine.evaluation``'s ``fit_end`` is
 ``tryfirst`` (every ``fit_end`` sees the final evaluation), ``engine.progress``'s
 ``fit_end`` is ``trylast``, and ``engine.steps`` provides every step as ``trylast``
 (the default a plugin replaces or wraps). An algorithm that must act after the
@@ -93,6 +98,12 @@ augmentation returns float in [0, 1]). A plugin that computes on pixel values ca
 for ``uint8``, nothing for float); one that only moves pixels (crop, flip) may keep
 the dtype. Never normalise here: the engine does.
 
+The targets are class indices (``int64``, ``(N,)``) as the loader yielded them. A
+mixing plugin (``mixup``, ``cutmix``) replaces them at ``batch_start`` with class
+probabilities, float ``(N, num_classes)`` whose rows sum to 1, which torch's
+cross-entropy (the default loss) takes as they are; evaluation targets are always
+class indices.
+
 From ``before_forward`` on, and at ``eval_batch_end``, the inputs are what the model
 receives: float32, normalised with the dataset's mean and std (``data.normalize``;
 without it, in [0, 1]; a float batch without normalisation is left as it is), in
@@ -114,6 +125,29 @@ plugin such as ``channels_last`` sets it at ``init``). Only 4-D inputs are conve
             after_optimizer_step
         advance state.timestamp
         batch_end                          (evaluation and checkpoints when due)
+
+Parallelism: wrapping, saving and loading
+-----------------------------------------
+Three more steps let a parallelism plugin (FSDP, say) own how the model is
+distributed and how its state is saved and loaded, so that the engine names none:
+
+* ``wrap_model`` runs once after ``init`` and after a resume has loaded the
+  checkpoint, before ``fit_start``; it returns the module to train. The engine's
+  default wraps the model in ``DistributedDataParallel`` when several processes
+  run, and returns it as it is otherwise. A plugin that distributes the model itself
+  returns ``state.model`` unchanged (it is already sharded).
+* ``state_dicts`` returns ``{"model": ..., "optimizer": ...}`` for a checkpoint.
+  It runs on every rank (it may hold collectives); rank 0 writes the result. The
+  default returns the unwrapped model's and the optimizer's own ``state_dict()``.
+  Tensors that are ``DTensor`` shards are written with ``torch.distributed.checkpoint``
+  by every rank into a folder beside the checkpoint file; anything else goes into
+  the file.
+* ``load_state_dicts(state, state_dicts)`` loads what ``state_dicts`` returned
+  (read back from the file, or from the shard folder into the dicts that
+  ``state_dicts`` returns now). It runs after ``init``; the default loads the
+  unwrapped model and the optimizer. A mismatch raises ``RuntimeError`` (model) or
+  ``ValueError``/``KeyError`` (optimizer), which the engine reports as a checkpoint
+  that does not fit.
 """
 
 from __future__ import annotations
@@ -130,10 +164,21 @@ PROJECT = "slipstream"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-# Names of the step hooks, in the order the loop calls them.
-STEPS = ("forward", "compute_loss", "backward", "should_step", "optimizer_step")
+# Names of the step hooks: those of the loop, in the order it calls them, then
+# those of set-up and checkpoints (see "Parallelism" below).
+STEPS = (
+    "forward",
+    "compute_loss",
+    "backward",
+    "should_step",
+    "optimizer_step",
+    "wrap_model",
+    "state_dicts",
+    "load_state_dicts",
+)
 
-# Names of the events in the order the loop fires them (see Trainer.fit).
+# Names of the events in the order the loop fires them (see Trainer.fit);
+# log_metrics comes last: the metrics log fires it inside batch_end and eval_end.
 EVENTS = (
     "init",
     "fit_start",
@@ -154,6 +199,7 @@ EVENTS = (
     "eval_end",
     "fit_end",
     "exception",
+    "log_metrics",
 )
 
 
@@ -277,7 +323,8 @@ def eval_batch_end(state: State) -> None:
 
 @hookspec
 def eval_end(state: State) -> None:
-    """Evaluation is done: ``state.eval_metrics`` holds ``loss`` and ``accuracy``.
+    """Evaluation is done: ``state.eval_metrics`` holds ``loss`` and ``accuracy``
+    (and ``accuracy_top5`` when the model has at least 5 classes).
     The model is still in eval mode (restore swapped weights here)."""
 
 
@@ -289,6 +336,19 @@ def fit_end(state: State) -> None:
 @hookspec
 def exception(state: State, error: BaseException) -> None:
     """The run failed with ``error``; the engine re-raises it after this event."""
+
+
+@hookspec
+def log_metrics(state: State, record: dict[str, Any]) -> None:
+    """A record has just been appended to ``metrics.jsonl``: ``record`` is that
+    line, parsed (strict JSON: a non-finite value is None and named in
+    ``record["nonfinite"]``). Train records (``record["kind"] == "train"``) come at
+    every logging interval and at the end; eval records (``"eval"``, with
+    ``loss`` and ``accuracy``) after every evaluation. ``record["step"]`` is the
+    global batch. Fired on global rank 0 only (the one that writes), inside
+    ``batch_end`` or ``eval_end``, so every logger sees exactly what
+    ``metrics.jsonl`` gets. Do not change ``record``: it is shared by every
+    implementation."""
 
 
 # ---------------------------------------------------------------------------
@@ -326,3 +386,21 @@ def should_step(state: State) -> Any:
 def optimizer_step(state: State) -> Any:
     """Step the optimizer; return ``True`` if it stepped and ``False`` if the step
     was skipped (for example for inf/NaN gradients)."""
+
+
+@hookspec(firstresult=True)
+def wrap_model(state: State) -> Any:
+    """Return the module to train, distributed as the run needs (``DistributedDataParallel``
+    by default when several processes run). Called once, after ``init`` and a resume."""
+
+
+@hookspec(firstresult=True)
+def state_dicts(state: State) -> Any:
+    """Return ``{"model": state_dict, "optimizer": state_dict}`` for a checkpoint
+    (called on every rank; may run collectives)."""
+
+
+@hookspec(firstresult=True)
+def load_state_dicts(state: State, state_dicts: dict[str, Any]) -> Any:
+    """Load ``state_dicts`` (``{"model": ..., "optimizer": ...}``) into the model and the
+    optimizer; return ``True`` when done."""

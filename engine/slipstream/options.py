@@ -21,6 +21,7 @@ import torch
 
 from .duration import Duration, DurationError
 from .errors import ConfigError
+from .services.checkpoint import check_best_metric
 from .services.divergence import check_on_nonfinite
 
 # `normalize="auto"`: the statistics of a dataset Slipstream knows, else none.
@@ -60,6 +61,10 @@ class TrainerOptions:
     deterministic: bool = False
     verbose: bool = True
     on_nonfinite: str = "stop"  # stop | warn: what a NaN or infinite training loss does
+    best_metric: str | None = "accuracy"  # accuracy | accuracy_top5 | loss | None: what best.pt keeps
+    # DistributedDataParallel options of the default wrap (several processes only):
+    # bucket_cap_mb, static_graph, find_unused_parameters.
+    ddp: Mapping[str, Any] | None = None
 
     @classmethod
     def from_config(cls, trainer: Mapping[str, Any], **extra: Any) -> TrainerOptions:
@@ -90,6 +95,8 @@ class TrainerOptions:
         check_device(self.device, f"{prefix}device")
         _check_normalize(self.normalize, f"{prefix}normalize")
         check_on_nonfinite(self.on_nonfinite)
+        check_best_metric(self.best_metric)
+        self.ddp = check_ddp_options(self.ddp, f"{prefix}ddp")
         if self.run_dir is not None:
             check_output_dir(Path(self.run_dir), f"{prefix}run_dir")
         return self
@@ -107,8 +114,36 @@ class TrainerOptions:
                 value = str(value)
             elif isinstance(value, tuple):
                 value = [list(map(float, part)) for part in value]
+            elif isinstance(value, Mapping):
+                value = dict(value)
             out[f.name] = value
         return out
+
+
+DDP_OPTIONS = {
+    "bucket_cap_mb": "megabytes of gradients per all-reduce bucket (null: torch's 25)",
+    "static_graph": "true when the model uses the same parameters every step",
+    "find_unused_parameters": "true when some parameters get no gradient in a step",
+}
+
+
+def check_ddp_options(options: Mapping[str, Any] | None, key: str = "ddp") -> dict[str, Any]:
+    """The ``DistributedDataParallel`` keywords in ``options`` (keys of
+    :data:`DDP_OPTIONS`; a None value leaves torch's default), checked."""
+    out: dict[str, Any] = {}
+    for name, value in dict(options or {}).items():
+        if name not in DDP_OPTIONS:
+            allowed = ", ".join(f"{k} ({v})" for k, v in DDP_OPTIONS.items())
+            raise ConfigError(f"{key}.{name} is not a DDP option; allowed: {allowed}")
+        if value is None:
+            continue
+        if name == "bucket_cap_mb":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{key}.bucket_cap_mb must be a number of megabytes > 0, got {value!r}")
+        elif not isinstance(value, bool):
+            raise ConfigError(f"{key}.{name} must be true or false, got {value!r}")
+        out[name] = value
+    return out
 
 
 def _duration(value: Any, key: str) -> Duration | None:

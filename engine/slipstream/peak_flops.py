@@ -216,20 +216,19 @@ def peak_flops(
 def raise_peak(
     device: torch.device,
     peak: Peak,
-    dtype: str,
-    achieved: float,
     *,
     threads: int | None = None,
     path: Path | None = None,
 ) -> Peak:
-    """A run did ``achieved`` FLOP/s in ``dtype``, more than ``peak`` says the device
-    can (MFU above 1): the peak was probed on a busy machine. Probe again and keep,
-    per dtype, the largest of the old figure, the new probe and (for ``dtype``) the
-    achieved rate, in the cache too, so the next run starts right."""
+    """A run did more FLOP/s than ``peak`` says the device can (MFU above 1): the
+    peak was probed on a busy machine. Probe again and keep, per dtype, the larger of
+    the old figure and the new probe, in the cache too, so the next run starts right.
+    The run's own rate is never taken as a peak: the clock of a run of a few batches
+    (or one whose FLOPs were miscounted) says nothing about the device, and one such
+    figure in the cache would shrink every later run's MFU."""
     names = probe_dtypes(device)
     fresh = {n: measure_matmul_flops(device, DTYPES[n]) for n in names}
     flops = {n: max(peak.flops.get(n, 0.0), fresh[n]) for n in names}
-    flops[dtype] = max(flops.get(dtype, 0.0), achieved)
     path = path or cache_path()
     cache = _read_cache(path)
     cache[machine_key(device, threads)] = {

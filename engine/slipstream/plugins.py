@@ -1,10 +1,11 @@
-"""The plugin host: find algorithms through entry points, build them from config,
-and resolve the one order a run uses."""
+"""The plugin host: find algorithms and callbacks through entry points, build them
+from config, and resolve the one order a run uses."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import warnings
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -16,22 +17,33 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .algorithm import Algorithm
+from .callback import Callback
 from .errors import ConfigError, PluginError, did_you_mean
+from .hookspecs import STEPS
+from .plugin import Plugin
 
 ENTRY_POINT_GROUP = "slipstream.algorithms"
+CALLBACKS_GROUP = "slipstream.callbacks"
+# Each entry-point group: the base class its plugins subclass, and their noun.
+GROUPS: dict[str, tuple[type[Plugin], str]] = {
+    ENTRY_POINT_GROUP: (Algorithm, "algorithm"),
+    CALLBACKS_GROUP: (Callback, "callback"),
+}
 
 
 @dataclass
 class AlgorithmInfo:
-    """One entry point of the ``slipstream.algorithms`` group."""
+    """One entry point of a plugin group (``slipstream.algorithms`` by default)."""
 
     name: str
     distribution: str
     version: str
     target: str  # "module:attr", as the entry point declares it
-    cls: type[Algorithm] | None = None
+    cls: type[Plugin] | None = None
     error: str | None = None
     entry_point: Any = field(default=None, repr=False, compare=False)
+    description: str = ""  # the distribution's one-line Summary (pyproject's description)
+    base: type = field(default=Algorithm, repr=False, compare=False)  # what the class must subclass
 
     def load(self) -> None:
         """Import the entry point once, recording a failure instead of raising it."""
@@ -46,15 +58,34 @@ class AlgorithmInfo:
         except Exception as exc:  # a plugin's import may fail in any way
             self.error = f"{type(exc).__name__}: {exc}"
             return
-        if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-            self.error = f"{ep.value} is not a subclass of slipstream.Algorithm"
+        if not (isinstance(cls, type) and issubclass(cls, self.base)):
+            self.error = f"{ep.value} is not a subclass of slipstream.{self.base.__name__}"
         elif cls.name != ep.name:
             self.error = f"{ep.value} is named {cls.name!r} but registered as {ep.name!r}"
         else:
             self.cls = cls
 
+    def check_module(self) -> None:
+        """Record an error if the entry point's module cannot be found, without
+        importing it (a cheap check: an import that fails inside the module needs
+        :meth:`load`)."""
+        module = self.target.split(":")[0].strip()
+        if self.error is not None or not module:
+            return
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError) as exc:  # a dotted name whose parent fails
+            self.error = f"{type(exc).__name__}: {exc}"
+            return
+        if not found:
+            self.error = f"ModuleNotFoundError: No module named {module!r}"
+
     @property
     def summary(self) -> str:
+        """The distribution's summary; the class docstring's first line when the
+        distribution has none and the class is loaded."""
+        if self.description:
+            return self.description
         return self.cls.summary() if self.cls is not None else ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -65,16 +96,22 @@ class AlgorithmInfo:
             "entry_point": self.target,
             "summary": self.summary,
             "error": self.error,
+            "imported": self.entry_point is None,  # whether load errors were looked for
         }
 
 
-def discover(load: bool = True) -> dict[str, AlgorithmInfo]:
-    """Every installed algorithm; with ``load``, imported too. A failed import is
-    recorded, not raised, so that one broken plugin does not hide the others.
-    ``load=False`` defers imports to :func:`algorithm_class`, so a run imports
-    only the plugins it uses."""
+def discover(
+    load: bool = True, group: str = ENTRY_POINT_GROUP, base: type | None = None
+) -> dict[str, AlgorithmInfo]:
+    """Every installed plugin of entry-point ``group`` (algorithms by default);
+    with ``load``, imported too (and checked to subclass ``base``; by default
+    the group's own base class, :class:`Algorithm` or :class:`Callback`). A failed
+    import is recorded, not raised, so that one broken plugin does not hide the
+    others. ``load=False`` defers imports to :func:`algorithm_class`, so a run
+    imports only the plugins it uses; name, distribution, version and summary
+    come from the distribution's metadata either way."""
     found: dict[str, AlgorithmInfo] = {}
-    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+    for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
         dist = getattr(ep, "dist", None)
         info = AlgorithmInfo(
             name=ep.name,
@@ -82,6 +119,11 @@ def discover(load: bool = True) -> dict[str, AlgorithmInfo]:
             version=dist.version if dist is not None else "unknown",
             target=ep.value,
             entry_point=ep,
+            # .get: once importlib_metadata (the backport, which mlflow and wandb
+            # import) is loaded, its finder answers first, and its [] raises KeyError
+            # for a field the distribution lacks.
+            description=(dist.metadata.get("Summary") or "").strip() if dist is not None else "",
+            base=base or GROUPS[group][0],
         )
         if ep.name in found:
             other = found[ep.name]
@@ -99,41 +141,60 @@ def discover(load: bool = True) -> dict[str, AlgorithmInfo]:
     return found
 
 
-def algorithm_class(name: str, installed: dict[str, AlgorithmInfo]) -> type[Algorithm]:
-    """The class registered as ``name``, or a clear error."""
+def list_installed(
+    group: str = ENTRY_POINT_GROUP, check: bool = False, base: type | None = None
+) -> list[AlgorithmInfo]:
+    """What ``slipstream algorithms`` (and ``callbacks``, with its group) lists.
+
+    Without ``check`` nothing is imported: metadata, plus a look-up of each entry
+    point's module on the path. With ``check`` every plugin is imported, so that
+    an import that fails inside the module (or exits) is reported too.
+    """
+    infos = list(discover(load=check, group=group, base=base).values())
+    for info in infos:
+        info.check_module()
+    return infos
+
+
+def algorithm_class(
+    name: str, installed: dict[str, AlgorithmInfo], group: str = ENTRY_POINT_GROUP
+) -> type[Plugin]:
+    """The class registered as ``name`` in ``group``, or a clear error."""
+    noun = GROUPS[group][1]
     info = installed.get(name)
     if info is None:
         listing = ", ".join(sorted(installed)) or "none"
         raise PluginError(
-            f"unknown algorithm {name!r}{did_you_mean(name, installed)}; "
-            f"installed algorithms: {listing}"
+            f"unknown {noun} {name!r}{did_you_mean(name, installed)}; "
+            f"installed {noun}s: {listing}"
         )
     info.load()
     if info.cls is None:
         raise PluginError(
-            f"algorithm {name!r} (distribution {info.distribution} {info.version}, "
+            f"{noun} {name!r} (distribution {info.distribution} {info.version}, "
             f"entry point {name} = {info.target!r}) failed to load: {info.error}"
         )
     return info.cls
 
 
-def build_config(cls: type[Algorithm], options: dict[str, Any] | None) -> Any:
+def build_config(cls: type[Plugin], options: dict[str, Any] | None) -> Any:
     """Validate ``options`` against ``cls.config_class`` and return the dataclass.
 
     An unknown key, a wrong type or an out-of-range value is a ConfigError that
-    names the algorithm, the key and what is allowed.
+    names the plugin (``algorithms.<name>`` or ``callbacks.<name>``), the key and
+    what is allowed.
     """
     options = dict(options or {})
-    name = cls.name
+    name = f"{cls.kind}s.{cls.name}"
     if cls.config_class is None:
         if options:
-            raise ConfigError(f"algorithms.{name} takes no options, got {sorted(options)}")
+            raise ConfigError(f"{name} takes no options, got {sorted(options)}")
         return None
     fields = {f.name: f for f in dataclasses.fields(cls.config_class)}
     for key in options:
         if key not in fields:
             raise ConfigError(
-                f"algorithms.{name}: unknown key {key!r}{did_you_mean(key, fields)}; "
+                f"{name}: unknown key {key!r}{did_you_mean(key, fields)}; "
                 f"allowed keys: {', '.join(fields)}"
             )
     try:
@@ -143,23 +204,25 @@ def build_config(cls: type[Algorithm], options: dict[str, Any] | None) -> Any:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
         field_type = getattr(fields.get(str(key)), "type", None)
         allowed = f"; expected {_type_name(field_type)}" if field_type is not None else ""
-        raise ConfigError(f"algorithms.{name}.{key}: {_first_line(exc)}{allowed}") from None
-    except ConfigError:  # already names the algorithm and key (parse_duration_option)
+        raise ConfigError(f"{name}.{key}: {_first_line(exc)}{allowed}") from None
+    except ConfigError:  # already names the plugin and key (parse_duration_option)
         raise
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"algorithms.{name}: {exc}") from None
+        raise ConfigError(f"{name}: {exc}") from None
 
 
 def instantiate(
-    requested: dict[str, dict[str, Any] | None], installed: dict[str, AlgorithmInfo]
-) -> list[Algorithm]:
-    """Build every requested algorithm (unknown names and bad options fail here,
-    before anything runs)."""
-    algorithms = []
+    requested: dict[str, dict[str, Any] | None],
+    installed: dict[str, AlgorithmInfo],
+    group: str = ENTRY_POINT_GROUP,
+) -> list[Any]:
+    """Build every requested algorithm (or callback, with ``group``): unknown names
+    and bad options fail here, before anything runs."""
+    plugins = []
     for name, options in requested.items():
-        cls = algorithm_class(name, installed)
-        algorithms.append(cls(build_config(cls, options)))
-    return algorithms
+        cls = algorithm_class(name, installed, group)
+        plugins.append(cls(build_config(cls, options)))
+    return plugins
 
 
 def resolve_order(
@@ -242,6 +305,38 @@ def check_hook_names(pm: pluggy.PluginManager) -> None:
     pm.check_pending()  # anything the loop above does not know of yet
 
 
+def check_callbacks(callbacks: list[Callback], algorithms: list[Algorithm]) -> None:
+    """Refuse a callback enabled twice, or one named as an algorithm of the run
+    (checkpoints keep plugin state under the name)."""
+    seen: set[str] = set()
+    taken = {a.name for a in algorithms}
+    for cb in callbacks:
+        if not cb.name:
+            raise PluginError(f"{type(cb).__name__} has no name; set the class attribute `name`")
+        if cb.name in seen:
+            raise PluginError(f"callback {cb.name!r} is enabled twice")
+        if cb.name in taken:
+            raise PluginError(
+                f"callback {cb.name!r} has the name of an algorithm of this run; "
+                "plugins of one run need distinct names"
+            )
+        seen.add(cb.name)
+
+
+def check_callbacks_observe(pm: pluggy.PluginManager) -> None:
+    """Refuse a callback that implements a step hook: a callback observes, so it
+    may neither replace nor wrap a step (that is an algorithm's job)."""
+    for step in STEPS:
+        for impl in getattr(pm.hook, step).get_hookimpls():
+            if isinstance(impl.plugin, Callback):
+                raise PluginError(
+                    f"callback {impl.plugin_name!r} ({type(impl.plugin).__name__}) implements "
+                    f"the step hook {step!r}; a callback observes and may not replace or wrap "
+                    f"a step ({', '.join(STEPS)}): make it an algorithm (entry-point group "
+                    f"{ENTRY_POINT_GROUP!r}, base class slipstream.Algorithm) instead"
+                )
+
+
 def _find_cycle(pending: dict[str, set[str]], done: list[str]) -> str:
     start = next(iter(pending))
     path = [start]
@@ -254,9 +349,10 @@ def _find_cycle(pending: dict[str, set[str]], done: list[str]) -> str:
 
 
 def distribution_of(
-    algo: Algorithm, installed: dict[str, AlgorithmInfo] | None = None
+    algo: Plugin, installed: dict[str, AlgorithmInfo] | None = None
 ) -> tuple[str, str]:
-    """(distribution, version) for an algorithm instance, for checkpoints and summaries."""
+    """(distribution, version) for an algorithm or callback instance, for checkpoints
+    and summaries."""
     if installed:
         info = installed.get(algo.name)
         if info is not None and info.cls is type(algo):
@@ -275,7 +371,7 @@ def _packages_distributions() -> dict[str, list[str]]:
     return metadata.packages_distributions()  # scans every installed package: once
 
 
-def config_as_dict(algo: Algorithm) -> dict[str, Any]:
+def config_as_dict(algo: Plugin) -> dict[str, Any]:
     cfg = algo.config
     if cfg is None:
         return {}
@@ -284,8 +380,8 @@ def config_as_dict(algo: Algorithm) -> dict[str, Any]:
     return dict(cfg) if isinstance(cfg, dict) else {"value": repr(cfg)}
 
 
-def algorithm_record(algo: Algorithm, distribution: tuple[str, str]) -> dict[str, Any]:
-    """How checkpoints and summary.json name an algorithm of the run:
+def algorithm_record(algo: Plugin, distribution: tuple[str, str]) -> dict[str, Any]:
+    """How checkpoints and summary.json name an algorithm (or callback) of the run:
     name, version, distribution and config (``distribution`` from :func:`distribution_of`)."""
     dist, version = distribution
     return {"name": algo.name, "version": version, "distribution": dist, "config": config_as_dict(algo)}

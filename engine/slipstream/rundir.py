@@ -8,6 +8,9 @@
     RUN_DIR/checkpoints/latest.pt  the newest checkpoint
     RUN_DIR/checkpoints/best.pt    the checkpoint with the best accuracy
     RUN_DIR/checkpoints/ep{E}-ba{B}.pt  interval checkpoints
+    RUN_DIR/checkpoints/ep{E}-ba{B}.dcp/  torch.distributed.checkpoint shards of the model
+                                   and optimizer of that checkpoint (sharded checkpoints
+                                   only; its .pt file and latest.pt name the folder)
 
 Every writer and every reader takes its paths from here, so that clearing a run
 (``trainer.overwrite=true``) removes exactly the files a run owns and never a
@@ -23,6 +26,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +46,7 @@ LATEST = "latest.pt"
 BEST = "best.pt"
 
 _INTERVAL_CHECKPOINT = re.compile(r"ep\d+-ba\d+\.pt")
+_SHARDS = re.compile(r"ep\d+-ba\d+\.dcp")
 # Temporary files of atomic_write: ".{name}.{token}.tmp".
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{16}\.tmp")
 
@@ -91,6 +96,21 @@ class RunDir:
     def checkpoint(self, epoch: int, batch: int) -> Path:
         return self.checkpoints / checkpoint_name(epoch, batch)
 
+    def shards(self, epoch: int, batch: int) -> Path:
+        """The folder of torch.distributed.checkpoint shards of a sharded checkpoint."""
+        return self.checkpoints / f"ep{epoch}-ba{batch}.dcp"
+
+    def shards_of(self, checkpoint: Path) -> Path:
+        """The shard folder beside the interval checkpoint file ``checkpoint``."""
+        return checkpoint.with_suffix(".dcp")
+
+    def shard_folders(self) -> list[Path]:
+        if not self.checkpoints.is_dir():
+            return []
+        return sorted(
+            p for p in self.checkpoints.iterdir() if p.is_dir() and _SHARDS.fullmatch(p.name)
+        )
+
     def checkpoint_files(self) -> list[Path]:
         """The checkpoints of the contract that exist (latest, best, interval ones)."""
         if not self.checkpoints.is_dir():
@@ -115,6 +135,7 @@ class RunDir:
         of a non-empty metrics log. A start that failed before its first record
         leaves neither, so its leftovers never block the retry."""
         held = [str(p.relative_to(self.root)) for p in self.checkpoint_files()]
+        held += [str(p.relative_to(self.root)) for p in self.shard_folders()]
         if self.metrics.is_file() and self.metrics.stat().st_size > 0:
             held.insert(0, METRICS)
         return held
@@ -125,6 +146,9 @@ class RunDir:
         removed = self.run_files()
         for path in removed:
             path.unlink(missing_ok=True)
+        for folder in self.shard_folders():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
         if self.checkpoints.is_dir() and not any(self.checkpoints.iterdir()):
             self.checkpoints.rmdir()
         if removed:

@@ -9,12 +9,12 @@ from omegaconf import DictConfig
 
 from .config import to_dict
 from .data import DATASET_STATS, DataError, build_datasets, build_loader
-from .distributed import init_distributed, resolve_device
+from .distributed import from_rank0, init_distributed, resolve_device
 from .errors import ConfigError
 from .models import build_model
 from .optim import build_optimizer
 from .options import TrainerOptions, apply_process_settings
-from .plugins import AlgorithmInfo, discover, instantiate
+from .plugins import CALLBACKS_GROUP, AlgorithmInfo, discover, instantiate
 from .rundir import new_run_dir
 from .trainer import Trainer
 
@@ -30,10 +30,13 @@ def build_trainer(
     installed: dict[str, AlgorithmInfo] | None = None,
     verbose: bool = True,
 ) -> Trainer:
-    """Everything is validated (algorithms, data, model, optimizer) before the
-    run directory is touched, so a bad config costs nothing."""
+    """Everything is validated (algorithms, callbacks, data, model, optimizer)
+    before the run directory is touched, so a bad config costs nothing."""
     installed = discover(load=False) if installed is None else installed
     algorithms = instantiate(dict(to_dict(cfg.algorithms)), installed)
+    callbacks = instantiate(
+        dict(to_dict(cfg.callbacks)), discover(load=False, group=CALLBACKS_GROUP), CALLBACKS_GROUP
+    )
     t, d, m, o = cfg.trainer, cfg.data, cfg.model, cfg.optimizer
     # The same options and validation as a Trainer built in Python; the process
     # settings come first so that data and model are built seeded.
@@ -46,6 +49,8 @@ def build_trainer(
     device = resolve_device(t.device)
     apply_process_settings(options, device)
     rank, world_size = init_distributed(device)
+    # Named by each process's clock unless given: rank 0's name is the run's.
+    options.run_dir = from_rank0(options.run_dir)
 
     try:
         train_set, val_set, num_classes = build_datasets(
@@ -115,6 +120,7 @@ def build_trainer(
         train_data=train_loader,
         eval_data=eval_loader,
         algorithms=algorithms,
+        callbacks=callbacks,
         config=resolved,
         installed=installed,
         target_accuracy=t.target_accuracy,

@@ -16,14 +16,20 @@ import torch
 from .state import State
 
 
-def batch_seed(seed: int, rank: int, batch: int) -> int:
+def batch_seed(seed: int, rank: int, batch: int, stream: str = "") -> int:
     """A 64-bit seed for one batch of one rank, stable across processes, runs and
     Python versions (a hash of the three numbers, not Python's ``hash``).
 
+    ``stream`` names the consumer (``"mixup"``), so that two plugins seeded for the
+    same batch draw independent numbers; the empty stream is the historical one.
+
     >>> batch_seed(0, 0, 5) == batch_seed(0, 0, 5), batch_seed(0, 0, 5) == batch_seed(0, 1, 5)
     (True, False)
+    >>> batch_seed(0, 0, 5) == batch_seed(0, 0, 5, "mixup")
+    False
     """
-    digest = hashlib.blake2b(f"{seed}/{rank}/{batch}".encode(), digest_size=8).digest()
+    key = f"{seed}/{rank}/{batch}" + (f"/{stream}" if stream else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 

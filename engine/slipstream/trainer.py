@@ -22,16 +22,22 @@ from torch import nn
 
 from . import hookspecs
 from .algorithm import Algorithm
+from .callback import Callback
 from .checkpoint import checkpoint_payload, restore_checkpoint
-from .distributed import init_distributed, is_distributed, resolve_device
+from .distributed import init_distributed, resolve_device
 from .duration import Duration
 from .errors import CheckpointError, ConfigError, PluginError
 from .interrupts import stop_on_signals
 from .options import AUTO, NormalizeOption, TrainerOptions, apply_process_settings, resolve_normalize
 from .peak_flops import parse_peak_tflops
 from .plugins import (
+    CALLBACKS_GROUP,
+    ENTRY_POINT_GROUP,
+    GROUPS,
     AlgorithmInfo,
     algorithm_record,
+    check_callbacks,
+    check_callbacks_observe,
     check_hook_names,
     config_as_dict,
     discover,
@@ -65,10 +71,12 @@ class Trainer:
     """Train ``model`` with ``optimizer`` on ``train_data`` for ``max_duration``.
 
     ``algorithms`` holds :class:`Algorithm` instances (or installed names, built
-    with their default config). ``train_data``/``eval_data`` are any iterables of
-    ``(inputs, targets)`` batches, usually DataLoaders; a DataLoader whose sampler
-    has ``set_epoch(epoch, start_batch)`` (as Slipstream's own) gives an order that
-    depends on the seed and epoch alone and resumes mid-epoch exactly.
+    with their default config); ``callbacks`` the same for :class:`Callback`
+    (loggers, profiler, early stopping), called in the order given.
+    ``train_data``/``eval_data`` are any iterables of ``(inputs, targets)`` batches,
+    usually DataLoaders; a DataLoader whose sampler has ``set_epoch(epoch,
+    start_batch)`` (as Slipstream's own) gives an order that depends on the seed and
+    epoch alone and resumes mid-epoch exactly.
 
     The run-level keywords are :class:`~slipstream.options.TrainerOptions` (kept
     as ``self.options``): validated, then applied as the CLI applies them
@@ -80,6 +88,8 @@ class Trainer:
     summary; with ``stop_at_target`` the run ends there with status
     ``target_reached``. ``peak_tflops`` (a number, or a mapping of fp32/bf16/fp16 to
     numbers) is the device's peak for MFU; by default it is probed once per machine.
+    ``best_metric`` (``"accuracy"``, ``"loss"`` or None) is the eval metric whose
+    best value ``checkpoints/best.pt`` keeps.
     """
 
     def __init__(
@@ -113,6 +123,9 @@ class Trainer:
         target_accuracy: float | None = None,
         stop_at_target: bool = False,
         peak_tflops: float | dict[str, float] | None = None,
+        callbacks: Sequence[Callback | str] = (),
+        best_metric: str | None = "accuracy",
+        ddp: dict[str, Any] | None = None,
     ) -> None:
         # One set-up for the Python API and the CLI (which passes the same options,
         # built from its config): validate, then threads, determinism and seeds.
@@ -133,6 +146,8 @@ class Trainer:
             deterministic=deterministic,
             verbose=verbose,
             on_nonfinite=on_nonfinite,
+            best_metric=best_metric,
+            ddp=ddp,
         ).validate()
         self.target_accuracy = check_target(target_accuracy, stop_at_target)
         peak = parse_peak_tflops(peak_tflops)
@@ -141,9 +156,13 @@ class Trainer:
         rank, world_size = init_distributed(self.device)
         self.max_duration = Duration.parse(max_duration)
         self.installed = installed
-        chosen = self._as_algorithms(algorithms)
+        chosen = self._as_plugins(algorithms, ENTRY_POINT_GROUP)
         self.algorithms = resolve_order(chosen, installed=self._known_names(chosen))
-        self._distributions = {a.name: distribution_of(a, self.installed) for a in self.algorithms}
+        self.callbacks: list[Callback] = self._as_plugins(callbacks, CALLBACKS_GROUP)
+        check_callbacks(self.callbacks, self.algorithms)
+        self._distributions = {
+            a.name: distribution_of(a, self.installed) for a in self.algorithms
+        } | {c.name: distribution_of(c, self._installed_callbacks) for c in self.callbacks}
         self.verbose = verbose and rank == 0
         normalize, note = resolve_normalize(normalize, train_data)
         if note and self.verbose:
@@ -174,6 +193,7 @@ class Trainer:
             run_dir=self.run_dir,
             config=self.config,
             algorithms=list(self.algorithms),
+            callbacks=list(self.callbacks),
         )
         self.state.batches_per_epoch = _batches_per_epoch(train_data)
         batch_size = getattr(train_data, "batch_size", None)
@@ -208,18 +228,34 @@ class Trainer:
             "optimizer": {"name": type(optimizer).__name__, "lr": float(group.get("lr", 0.0))},
             "trainer": self.options.as_config(),
             "algorithms": {a.name: config_as_dict(a) for a in self.algorithms},
+            "callbacks": {c.name: config_as_dict(c) for c in self.callbacks},
         }
 
-    def _as_algorithms(self, items: Sequence[Algorithm | str]) -> list[Algorithm]:
-        built: list[Algorithm] = []
+    _installed_callbacks: dict[str, AlgorithmInfo] | None = None
+
+    def _installed_of(self, group: str) -> dict[str, AlgorithmInfo]:
+        """The installed plugins of ``group``, discovered (not imported) once."""
+        if group == ENTRY_POINT_GROUP:
+            if self.installed is None:
+                self.installed = discover(load=False)
+            return self.installed
+        if self._installed_callbacks is None:
+            self._installed_callbacks = discover(load=False, group=group)
+        return self._installed_callbacks
+
+    def _as_plugins(self, items: Sequence[Any], group: str) -> list[Any]:
+        """Instances as given; names built with their default config."""
+        base, noun = GROUPS[group]
+        built = []
         for item in items:
-            if isinstance(item, Algorithm):
+            if isinstance(item, base):
                 built.append(item)
             elif isinstance(item, str):
-                self.installed = self.installed if self.installed is not None else discover(load=False)
-                built.extend(instantiate({item: None}, self.installed))
+                built.extend(instantiate({item: None}, self._installed_of(group), group))
             else:
-                raise PluginError(f"{item!r} is not an Algorithm instance or an algorithm name")
+                raise PluginError(
+                    f"{item!r} is not a {base.__name__} instance or an installed {noun}'s name"
+                )
         return built
 
     def _known_names(self, algorithms: list[Algorithm]) -> set[str]:
@@ -229,9 +265,7 @@ class Trainer:
         declared = {n for a in algorithms for n in (*a.runs_after, *a.runs_before)}
         if declared <= names:
             return names
-        if self.installed is None:
-            self.installed = discover(load=False)
-        return names | set(self.installed)
+        return names | set(self._installed_of(ENTRY_POINT_GROUP))
 
     def _register(
         self,
@@ -243,14 +277,18 @@ class Trainer:
         checkpoint_keep,
         progress_bar,
     ) -> None:
-        # pluggy calls the last registered plugin first. Services go in first so
-        # that, at each event, algorithms act before the engine records the result.
+        # pluggy calls the last registered plugin first. Callbacks go in first
+        # (the first given last, so it is called first), then services, so that at
+        # each event algorithms act, then the engine records, then callbacks observe.
         write = self.state.rank == 0
-        self._defaults = DefaultSteps()
+        for callback in reversed(self.callbacks):
+            self.pm.register(callback, name=callback.name)
+        self._defaults = DefaultSteps(self.options.ddp)
         self.pm.register(self._defaults, name=DefaultSteps.name)
         self.summary_writer = SummaryWriter(
             self.run_dir,
             self._algorithm_records,
+            callback_records=self._callback_records,
             utilization=self.utilization,
             target=self.target,
             write=write,
@@ -264,13 +302,16 @@ class Trainer:
             checkpoint_keep,
             write=write,
             guard=self.divergence.check,
+            best_metric=self.options.best_metric,
         )
         self.pm.register(self.checkpointer, name=Checkpointer.name)
         self.pm.register(self.divergence, name=DivergenceMonitor.name)
         if progress_bar and write:
             self.pm.register(ProgressBar(), name=ProgressBar.name)
         self.pm.register(
-            MetricsLogger(self.run_dir, log_interval, write=write, utilization=self.utilization),
+            MetricsLogger(
+                self.run_dir, log_interval, write=write, utilization=self.utilization, hooks=self.pm.hook
+            ),
             name=MetricsLogger.name,
         )
         # On every rank (not only the writer), so that all ranks' clocks leave out
@@ -291,6 +332,7 @@ class Trainer:
 
     def _check_hooks(self) -> None:
         check_hook_names(self.pm)
+        check_callbacks_observe(self.pm)
         self._check_step_replacements()
 
     def _check_step_replacements(self) -> None:
@@ -330,6 +372,9 @@ class Trainer:
         if self.verbose:
             order = " -> ".join(a.name for a in self.algorithms) or "none"
             print(f"slipstream: algorithms in order: {order}", file=sys.stderr)
+            if self.callbacks:
+                names = ", ".join(c.name for c in self.callbacks)
+                print(f"slipstream: callbacks: {names}", file=sys.stderr)
             print(f"slipstream: run directory: {self.run_dir}", file=sys.stderr)
         # Told even when quiet: the user must learn that a second signal aborts.
         restore_signals = stop_on_signals(state, verbose=state.rank == 0)
@@ -337,7 +382,7 @@ class Trainer:
             pm.hook.init(state=state)
             self._check_hooks()  # init may have registered helpers
             if self.load_path is not None:
-                restore_checkpoint(state, self.load_path, verbose=self.verbose)
+                restore_checkpoint(state, self.load_path, verbose=self.verbose, hook=self.pm.hook)
             self._wrap_distributed()
             self._bind_hooks()
             if state.rank == 0:
@@ -428,20 +473,21 @@ class Trainer:
         return iterator
 
     def _wrap_distributed(self) -> None:
-        if not is_distributed() or isinstance(
-            self.state.model, nn.parallel.DistributedDataParallel
-        ):
-            return
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        self.state.model = nn.parallel.DistributedDataParallel(self.state.model, device_ids=ids)
+        # DDP by default; a parallelism plugin may distribute the model itself.
+        self.state.model = self.pm.hook.wrap_model(state=self.state)
 
     # -- what checkpoints and the summary record -------------------------------------
 
     def _algorithm_records(self) -> list[dict[str, Any]]:
         return [algorithm_record(a, self._distributions[a.name]) for a in self.algorithms]
 
+    def _callback_records(self) -> list[dict[str, Any]]:
+        return [algorithm_record(c, self._distributions[c.name]) for c in self.callbacks]
+
     def _checkpoint_payload(self, state: State) -> dict[str, Any]:
-        return checkpoint_payload(state, self._algorithm_records())
+        return checkpoint_payload(
+            state, [*self._algorithm_records(), *self._callback_records()], hook=self.pm.hook
+        )
 
 
 def _batches_per_epoch(loader: Any) -> int | None:

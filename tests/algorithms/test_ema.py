@@ -284,7 +284,7 @@ def test_defaults():
 
 
 def test_runs_in_its_declared_place(tmp_path):
-    assert EMA.runs_after == ("locality_ffn", "channels_last")
+    assert EMA.runs_after == ("locality_ffn", "channels_last", "fsdp")  # fsdp: average the shards
     assert "torch_compile" in EMA.runs_before
     train_data, _ = tiny_loaders()
     model = tiny_model()

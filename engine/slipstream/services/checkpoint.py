@@ -1,24 +1,59 @@
 """Write checkpoints at an interval and at the end of the run.
 
 Files go to ``RUN_DIR/checkpoints/ep{E}-ba{B}.pt``; the newest is also
-``latest.pt``. Only rank 0 writes. Without an interval nothing is written. A
-checkpoint whose weights are not all finite is never written, so ``latest.pt``
-stays the last good one.
+``latest.pt``. ``best.pt`` is written at each evaluation that improves the
+monitored metric (``best_metric``: eval ``accuracy`` or ``accuracy_top5``, higher is
+better, or eval ``loss``, lower is better) and records it under ``"best"`` (metric,
+value, step, epoch). Only rank 0 writes. Without an interval nothing is written. A
+checkpoint whose weights are not all finite is never written, so ``latest.pt`` and
+``best.pt`` stay the last good ones.
+
+When the model's or optimizer's state is sharded (DTensors, from a parallelism
+plugin's ``state_dicts``), every rank writes its shards with
+torch.distributed.checkpoint into ``ep{E}-ba{B}.dcp/`` beside the file, which then
+names that folder instead of holding the tensors. ``best.pt`` is not kept for
+sharded checkpoints (its shards would need a folder of their own): a warning says so.
 """
 
 from __future__ import annotations
 
+import math
+import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import nonfinite_tensors, save_checkpoint
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import (
+    load_checkpoint,
+    local_tensors,
+    nonfinite_tensors,
+    save_checkpoint,
+    save_shards,
+    sharded_parts,
+)
 from ..duration import Duration
+from ..errors import CheckpointError, ConfigError
 from ..hookspecs import hookimpl
 from ..interval import RunInterval
 from ..rundir import RunDir
 from ..state import State
+
+# The metrics best.pt may monitor, and whether higher is better.
+BEST_METRICS = {"accuracy": True, "accuracy_top5": True, "loss": False}
+
+
+def check_best_metric(value: str | None) -> str | None:
+    """``value`` if it is a valid ``trainer.best_metric`` (null: no best.pt), else a ConfigError."""
+    if value is not None and value not in BEST_METRICS:
+        raise ConfigError(
+            f"trainer.best_metric must be one of {', '.join(BEST_METRICS)} (of the eval records) "
+            f"or null for no best.pt, got {value!r}"
+        )
+    return value
 
 
 class Checkpointer:
@@ -32,6 +67,7 @@ class Checkpointer:
         keep: int = 2,
         write: bool = True,
         guard: Callable[[State], bool] | None = None,
+        best_metric: str | None = "accuracy",
     ) -> None:
         self.paths = RunDir(Path(run_dir))
         self.build_payload = build_payload
@@ -42,10 +78,20 @@ class Checkpointer:
         self.write = write
         self._written: list[Path] = []
         self._last_saved_batch: int | None = None
+        self.best_metric = check_best_metric(best_metric)
+        self.best: dict[str, Any] | None = None  # what best.pt holds: metric, value, step, epoch
 
     @hookimpl
     def fit_start(self, state: State) -> None:
         self.interval.start(state)
+        if state.timestamp.batch > 0 and self.paths.best.is_file():
+            # A resumed run: the best so far is the one best.pt holds.
+            try:
+                saved = load_checkpoint(self.paths.best).get("best")
+            except CheckpointError:
+                saved = None
+            if isinstance(saved, dict) and saved.get("metric") == self.best_metric:
+                self.best = saved
 
     @hookimpl
     def batch_end(self, state: State) -> None:
@@ -63,15 +109,53 @@ class Checkpointer:
         if self.interval.enabled and self._last_saved_batch != state.timestamp.batch:
             self.save(state)
 
-    def save(self, state: State) -> Path | None:
-        self._last_saved_batch = state.timestamp.batch
+    @hookimpl
+    def eval_end(self, state: State) -> None:
+        if not self.interval.enabled or self.best_metric is None:
+            return
+        value = state.eval_metrics.get(self.best_metric)
+        # Eval metrics are the same on every rank (all-reduced): all ranks agree here.
+        if value is None or not math.isfinite(value) or not math.isfinite(state.eval_metrics["loss"]):
+            return
+        if self.best is not None:
+            higher = BEST_METRICS[self.best_metric]
+            if (value <= self.best["value"]) if higher else (value >= self.best["value"]):
+                return
+        ts = state.timestamp
+        best = {"metric": self.best_metric, "value": value, "step": ts.batch, "epoch": ts.epoch}
+        payload = self._payload(state, shards=False)
+        if payload is None:
+            return
+        if self.write:
+            save_checkpoint({**payload, "best": best}, self.paths.best)
+        self.best = best
+        state.summary["best_checkpoint"] = best
+
+    def _payload(self, state: State, shards: bool = True) -> dict[str, Any] | None:
+        """What to save, or None when nothing may be saved: a diverged run, weights
+        that are not all finite, or (without ``shards``) a sharded state."""
         if self.guard is not None and not self.guard(state):
             return None
-        payload = self.build_payload(state)  # every rank: may hold collectives later (FSDP)
-        if not self.write:
-            return None
+        payload = self.build_payload(state)  # every rank: may hold collectives (FSDP)
         ts = state.timestamp
-        bad = nonfinite_tensors(payload["model"])
+        sharded = sharded_parts({k: payload[k] for k in ("model", "optimizer")})
+        if sharded and not shards:
+            if self.best_metric is not None and self.write:
+                warnings.warn(
+                    "slipstream: checkpoints/best.pt is not kept for sharded checkpoints; "
+                    "set trainer.best_metric=null to silence this",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            self.best_metric = None  # every rank alike: the state stays sharded
+            return None
+        if sharded:
+            payload = self._save_shards(state, payload, sharded)
+            if payload is None:
+                return None
+        if not self.write:
+            return payload
+        bad = [] if sharded else nonfinite_tensors(payload["model"])
         if bad:
             kept = (
                 f"{self.paths.latest} stays the last good one"
@@ -83,12 +167,45 @@ class Checkpointer:
                 f"slipstream: not writing the checkpoint of step {ts.batch}: the weights hold "
                 f"NaN or infinity ({shown}); {kept}",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             return None
+        return payload
+
+    def save(self, state: State) -> Path | None:
+        self._last_saved_batch = state.timestamp.batch
+        payload = self._payload(state)
+        if payload is None or not self.write:
+            return None
+        ts = state.timestamp
         path = save_checkpoint(payload, self.paths.checkpoint(ts.epoch, ts.batch))
         save_checkpoint(payload, self.paths.latest)
         self._written.append(path)
         while self.keep >= 0 and len(self._written) > max(self.keep, 1):
-            self._written.pop(0).unlink(missing_ok=True)
+            old = self._written.pop(0)
+            old.unlink(missing_ok=True)
+            shutil.rmtree(self.paths.shards_of(old), ignore_errors=True)
         return path
+
+    def _save_shards(
+        self, state: State, payload: dict[str, Any], sharded: list[str]
+    ) -> dict[str, Any] | None:
+        """Every rank writes its shards of ``sharded`` parts; returns the payload that
+        names the folder, or None (on every rank alike) when a shard is not finite."""
+        ts = state.timestamp
+        bad = nonfinite_tensors(local_tensors(payload["model"]))
+        flag = torch.tensor([len(bad)], dtype=torch.int64)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag)  # all ranks skip together: the save is a collective
+        if int(flag):
+            if self.write:
+                warnings.warn(
+                    f"slipstream: not writing the checkpoint of step {ts.batch}: the weights hold "
+                    "NaN or infinity",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return None
+        folder = self.paths.shards(ts.epoch, ts.batch)
+        save_shards({k: payload[k] for k in sharded}, folder)
+        return {**payload, **dict.fromkeys(sharded), "shards": folder.name, "sharded_parts": sharded}

@@ -1,4 +1,5 @@
-"""Top-1 evaluation at an interval and at the end of the run (none without an interval)."""
+"""Top-1 (and top-5, with at least 5 classes) evaluation at an interval and at the
+end of the run (none without an interval)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from ..hookspecs import hookimpl
 from ..interval import RunInterval
 from ..state import State
 from .batches import to_device
+
+TOP_K = 5  # accuracy_top5: whether the target is among the 5 highest logits
 
 
 class Evaluator:
@@ -68,7 +71,9 @@ class Evaluator:
         model.eval()
         state.training = False
         hooks.eval_start(state=state)
-        totals = torch.zeros(3, dtype=torch.float64, device=state.device)
+        # loss sum, top-1 hits, samples, top-5 hits (counted only with >= 5 classes)
+        totals = torch.zeros(4, dtype=torch.float64, device=state.device)
+        classes = 0
         with torch.no_grad():
             for batch in state.eval_loader:
                 state.batch = to_device(batch, state.device)
@@ -82,14 +87,20 @@ class Evaluator:
                 totals[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
                 totals[1] += (logits.argmax(dim=1) == targets).sum()
                 totals[2] += targets.numel()
+                classes = logits.shape[1]
+                if classes >= TOP_K:
+                    top = logits.topk(TOP_K, dim=1).indices
+                    totals[3] += (top == targets.unsqueeze(1)).any(dim=1).sum()
                 hooks.eval_batch_end(state=state)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(totals)
-        loss_sum, correct, count = totals.tolist()
+        loss_sum, correct, count, correct_top5 = totals.tolist()
         state.eval_metrics = {
             "loss": loss_sum / max(count, 1),
             "accuracy": correct / max(count, 1),
         }
+        if classes >= TOP_K:
+            state.eval_metrics["accuracy_top5"] = correct_top5 / max(count, 1)
         hooks.eval_end(state=state)
         model.train(was_training)
         state.training = True
@@ -97,6 +108,10 @@ class Evaluator:
         self._last_eval_batch = state.timestamp.batch
         best = max(state.summary.get("best_accuracy") or 0.0, state.eval_metrics["accuracy"])
         state.summary["best_accuracy"] = best
+        if "accuracy_top5" in state.eval_metrics:
+            top5 = state.eval_metrics["accuracy_top5"]
+            state.summary["accuracy_top5"] = top5
+            state.summary["best_accuracy_top5"] = max(state.summary.get("best_accuracy_top5") or 0.0, top5)
         # Throughput in summary.json is training throughput: evaluation is set apart.
         state.summary["eval_time_s"] = (
             state.summary.get("eval_time_s", 0.0) + time.perf_counter() - started

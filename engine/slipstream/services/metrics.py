@@ -6,6 +6,9 @@ Records are strict JSON: a NaN or infinite value is written as null and named in
 the record's ``"nonfinite"`` list. A resumed run first drops the records past the
 step it resumes from, so the log reads as one run. Rates (samples/s, MFU) are per
 second of training: the run's clock, with evaluation taken out.
+
+Each record written is handed to the ``log_metrics`` hook as the line parsed back,
+so every logger plugin sees exactly what the file holds.
 """
 
 from __future__ import annotations
@@ -57,8 +60,11 @@ class MetricsLogger:
         log_interval: int = 20,
         write: bool = True,
         utilization: Utilization | None = None,
+        hooks: Any = None,
     ) -> None:
         self.path = Path(run_dir) / METRICS if run_dir is not None and write else None
+        # The plugin manager's hook relay, for log_metrics (None: nobody is told).
+        self.hooks = hooks
         self.log_interval = log_interval
         self._every = Interval(log_interval)
         self.utilization = utilization
@@ -116,7 +122,7 @@ class MetricsLogger:
             "mfu": self.utilization.mfu(state, done, seconds) if self.utilization else None,
         }
         record.update({key: _scalar(value) for key, value in state.metrics.items()})
-        self._write({k: _scalar(v) for k, v in record.items()})
+        self._write(state, {k: _scalar(v) for k, v in record.items()})
         self._last["train"] = record
         self._loss_sum, self._batches = None, 0
         self._samples_at_last, self._time_at_last = state.timestamp.samples, state.tick()
@@ -138,7 +144,7 @@ class MetricsLogger:
             "elapsed_s": round(state.tick(), 4),
             **state.eval_metrics,
         }
-        self._write({k: _scalar(v) for k, v in record.items()})
+        self._write(state, {k: _scalar(v) for k, v in record.items()})
         self._last["eval"] = record
         # Evaluation time is not training throughput: take it out of the interval
         # (the interval's samples are kept, so the rate stays per training second).
@@ -146,9 +152,13 @@ class MetricsLogger:
             self._time_at_last += state.tick() - self._eval_started
             self._eval_started = None
 
-    def _write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(strict_json(record) + "\n")
+    def _write(self, state: State, record: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        line = strict_json(record)
+        self._file.write(line + "\n")
+        if self.hooks is not None:
+            self.hooks.log_metrics(state=state, record=json.loads(line))
 
     @hookimpl
     def fit_end(self, state: State) -> None:

@@ -1,20 +1,42 @@
 """The default implementation of every step hook, registered ``trylast`` so that a
-plugin's implementation replaces it and a plugin's wrapper surrounds it."""
+plugin's implementation replaces it and a plugin's wrapper surrounds it.
+
+``ddp_options`` are keyword arguments of ``DistributedDataParallel`` (bucket size,
+static graph, unused parameters) for the default ``wrap_model``."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from torch.nn.parallel import DistributedDataParallel
+
+from ..distributed import is_distributed
+from ..errors import ConfigError
 from ..hookspecs import hookimpl
 from ..state import State
+
+UNUSED_PARAMETERS = (
+    "DistributedDataParallel: some of the model's parameters got no gradient in the previous "
+    "step (a branch not taken, a frozen or unused layer), so their gradients were never "
+    "reduced; set trainer.ddp.find_unused_parameters=true (it costs a pass over the autograd "
+    "graph each step), or freeze (requires_grad=False) or remove those parameters"
+)
 
 
 class DefaultSteps:
     name = "engine.steps"
 
+    def __init__(self, ddp_options: dict[str, Any] | None = None) -> None:
+        self.ddp_options = dict(ddp_options or {})
+
     @hookimpl(trylast=True)
     def forward(self, state: State) -> Any:
-        return state.model(state.batch[0])
+        try:
+            return state.model(state.batch[0])
+        except RuntimeError as exc:
+            if "find_unused_parameters" in str(exc):  # DDP, at the step after the one that failed
+                raise ConfigError(UNUSED_PARAMETERS) from None
+            raise
 
     @hookimpl(trylast=True)
     def compute_loss(self, state: State) -> Any:
@@ -32,4 +54,27 @@ class DefaultSteps:
     @hookimpl(trylast=True)
     def optimizer_step(self, state: State) -> Any:
         state.optimizer.step()
+        return True
+
+    # -- set-up and checkpoints: the unsharded case --------------------------------
+
+    @hookimpl(trylast=True)
+    def wrap_model(self, state: State) -> Any:
+        if not is_distributed() or isinstance(state.model, DistributedDataParallel):
+            return state.model
+        device = state.device
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(state.model, device_ids=ids, **self.ddp_options)
+
+    @hookimpl(trylast=True)
+    def state_dicts(self, state: State) -> Any:
+        return {
+            "model": state.unwrapped_model.state_dict(),
+            "optimizer": state.optimizer.state_dict(),
+        }
+
+    @hookimpl(trylast=True)
+    def load_state_dicts(self, state: State, state_dicts: dict[str, Any]) -> Any:
+        state.unwrapped_model.load_state_dict(state_dicts["model"])
+        state.optimizer.load_state_dict(state_dicts["optimizer"])
         return True

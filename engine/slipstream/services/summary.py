@@ -34,14 +34,17 @@ class SummaryWriter:
         run_dir: Path,
         algorithm_records: Callable[[], list[dict[str, Any]]],
         *,
+        callback_records: Callable[[], list[dict[str, Any]]] = list,
         utilization: Utilization | None = None,
         target: TargetAccuracy | None = None,
         write: bool = True,
     ) -> None:
-        """``algorithm_records``: the run's algorithms as checkpoints record them
-        (name, version, distribution, config)."""
+        """``algorithm_records`` / ``callback_records``: the run's algorithms and
+        callbacks as checkpoints record them (name, version, distribution, config);
+        the summary keeps them apart, so that it says which algorithms trained the model."""
         self.path = Path(run_dir) / SUMMARY
         self.algorithm_records = algorithm_records
+        self.callback_records = callback_records
         self.utilization = utilization
         self.target = target
         self.write = write
@@ -68,6 +71,7 @@ class SummaryWriter:
             "optimizer_steps": ts.optimizer_steps,
             "max_duration": str(state.max_duration),
             "algorithms": self.algorithm_records(),
+            "callbacks": self.callback_records(),
             "versions": library_versions(),
             "device": str(state.device),
             "world_size": state.world_size,

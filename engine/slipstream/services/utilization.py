@@ -129,9 +129,7 @@ class Utilization:
                 "was measured on a busy machine; probing again and raising the cached peak",
                 stacklevel=2,
             )
-            self.peak = raise_peak(
-                state.device, self.peak, dtype, achieved, threads=torch.get_num_threads()
-            )
+            self.peak = raise_peak(state.device, self.peak, threads=torch.get_num_threads())
             mfu = self.mfu(state, self.flops, train_s)
         return {
             "mfu": mfu,

@@ -1,0 +1,130 @@
+"""CutMix: paste a box of another image into each image, and mix the labels by area.
+
+Each training batch is changed on the device at ``batch_start``: a box, one per
+batch, is cut from the batch rolled by one and pasted into every image (Yun et al.
+2019). Its size follows ``lam ~ Beta(alpha, alpha)`` (or, with ``minmax``, a
+height and width drawn as fractions of the image, as timm's ``cutmix_minmax``);
+the labels become ``lam * own + (1 - lam) * other`` where ``lam`` is the share of
+the image left after the box is clipped to the border. Pixels are only moved, so
+a ``uint8`` batch stays ``uint8``.
+
+Targets become class probabilities ``(N, num_classes)`` exactly as with
+``mixup`` (the functions are shared with ``slipstream-mixup``): the engine's
+cross-entropy takes them, ``label_smoothing`` smooths them, evaluation is not
+touched, and every draw comes from a generator seeded per batch, so a resumed run
+continues exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+from slipstream_mixup import check_mixing_config, draw_lambda, mix_targets, resolve_num_classes
+
+from slipstream import Algorithm, State, batch_seed, hookimpl
+
+Box = tuple[int, int, int, int]  # top, bottom, left, right (bottom/right exclusive)
+
+
+@dataclass
+class CutmixConfig:
+    alpha: float = 1.0  # Beta(alpha, alpha) for the kept area; 1.0 = uniform
+    prob: float = 1.0  # fraction of training batches that are mixed
+    # [min, max]: box height and width drawn uniformly as fractions of the image
+    # (alpha is then unused); null: the box's area follows alpha.
+    minmax: Optional[list[float]] = None
+    num_classes: Optional[int] = None  # None: the run's (model.num_classes, or the model's head)
+
+    def __post_init__(self) -> None:
+        check_mixing_config(self.alpha, self.prob, self.num_classes)
+        if self.minmax is not None:
+            bounds = list(self.minmax)
+            if len(bounds) != 2 or not 0 < bounds[0] <= bounds[1] <= 1:
+                raise ValueError(
+                    f"minmax must be null or [min, max] with 0 < min <= max <= 1 "
+                    f"(box sides as fractions of the image), got {bounds}"
+                )
+
+
+def cutmix_box(
+    height: int,
+    width: int,
+    lam: float,
+    generator: np.random.Generator,
+    minmax: list[float] | None = None,
+) -> Box:
+    """A box whose area is about ``1 - lam`` of the image, centred uniformly and
+    clipped to the border (timm's ``rand_bbox``); with ``minmax``, sides drawn as
+    fractions of the image and placed wholly inside it (``rand_bbox_minmax``)."""
+    if minmax is not None:
+        cut_h = int(generator.integers(int(height * minmax[0]), int(height * minmax[1]) + 1))
+        cut_w = int(generator.integers(int(width * minmax[0]), int(width * minmax[1]) + 1))
+        top = int(generator.integers(0, height - cut_h + 1))
+        left = int(generator.integers(0, width - cut_w + 1))
+        return top, top + cut_h, left, left + cut_w
+    ratio = float(np.sqrt(1.0 - lam))
+    cut_h, cut_w = int(height * ratio), int(width * ratio)
+    cy, cx = int(generator.integers(0, height)), int(generator.integers(0, width))
+    top, bottom = np.clip([cy - cut_h // 2, cy + cut_h // 2], 0, height)
+    left, right = np.clip([cx - cut_w // 2, cx + cut_w // 2], 0, width)
+    return int(top), int(bottom), int(left), int(right)
+
+
+def cutmix_batch(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    num_classes: int,
+    alpha: float = 1.0,
+    generator: np.random.Generator | None = None,
+    minmax: list[float] | None = None,
+    box: Box | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Paste ``box`` (drawn with ``generator`` unless given) of each sample's
+    neighbour (the batch rolled by one) into it.
+
+    ``inputs`` is ``(N, C, H, W)`` of any dtype, kept. Returns the new batch, the
+    soft targets ``(N, num_classes)`` and ``lam``, the share of each image that is
+    its own. ``inputs`` and ``targets`` are not modified.
+    """
+    height, width = inputs.shape[-2:]
+    if box is None:
+        generator = generator if generator is not None else np.random.default_rng()
+        lam = 1.0 if minmax is not None else draw_lambda(alpha, generator)
+        box = cutmix_box(height, width, lam, generator, minmax)
+    top, bottom, left, right = box
+    out = inputs.clone()
+    out[..., top:bottom, left:right] = inputs[..., top:bottom, left:right].roll(1, 0)
+    lam = 1.0 - (bottom - top) * (right - left) / (height * width)
+    return out, mix_targets(targets, num_classes, lam), lam
+
+
+class Cutmix(Algorithm):
+    """CutMix: paste a box of another image into each one and mix the labels by area."""
+
+    name = "cutmix"
+    config_class = CutmixConfig
+    # Cut from the final training images: after resizing and per-sample augmentation.
+    runs_after = ("image_size_curriculum", "gpu_augmentation")
+    conflicts_with = ("mixup",)
+
+    def __init__(self, config: CutmixConfig | None = None) -> None:
+        super().__init__(config)
+        self.num_classes = 0
+
+    @hookimpl
+    def fit_start(self, state: State) -> None:
+        self.num_classes = resolve_num_classes(self.name, state, self.config.num_classes)
+
+    @hookimpl
+    def batch_start(self, state: State) -> None:
+        # Training batches only: evaluation fires eval_batch_start, left alone.
+        rng = np.random.default_rng(batch_seed(state.seed, state.rank, state.timestamp.batch, self.name))
+        if rng.random() >= self.config.prob:
+            return
+        inputs, targets, *rest = state.batch
+        c = self.config
+        mixed, soft, _ = cutmix_batch(inputs, targets, self.num_classes, c.alpha, rng, c.minmax)
+        state.batch = (mixed, soft, *rest)

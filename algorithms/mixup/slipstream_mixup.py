@@ -1,0 +1,156 @@
+"""MixUp: train on convex combinations of pairs of images and of their labels.
+
+Each training batch is replaced, on the device at ``batch_start``, by
+``lam * x + (1 - lam) * x.roll(1)``, its labels by the same mix of one-hot rows,
+with ``lam ~ Beta(alpha, alpha)`` drawn once per batch (Zhang et al. 2018). The
+soft targets are the representation: ``state.batch`` becomes ``(inputs, probs)``
+with ``probs`` of shape ``(N, num_classes)``, rows summing to 1, and the loss is
+torch's cross-entropy with probability targets. So the engine's default
+``compute_loss`` needs no change, and ``label_smoothing`` (which swaps in
+``nn.CrossEntropyLoss(label_smoothing=s)`` around that step) smooths the mixed
+targets, in either order. Evaluation batches are never touched.
+
+Reproducibility: every draw comes from a ``numpy.random.Generator`` seeded from
+``(run seed, rank, batch index, "mixup")`` (timm's Mixup draws from numpy's
+global state, which a resumed run cannot restore): the same seed mixes the same
+batches, and a run resumed mid-epoch continues exactly, with nothing to checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream import Algorithm, ConfigError, State, batch_seed, hookimpl, to_unit_float
+
+
+@dataclass
+class MixupConfig:
+    alpha: float = 0.2  # Beta(alpha, alpha) for the mixing weight; small alpha = mostly one image
+    prob: float = 1.0  # fraction of training batches that are mixed
+    num_classes: Optional[int] = None  # None: the run's (model.num_classes, or the model's head)
+
+    def __post_init__(self) -> None:
+        check_mixing_config(self.alpha, self.prob, self.num_classes)
+
+
+def check_mixing_config(alpha: float, prob: float, num_classes: int | None) -> None:
+    """The checks MixUp and CutMix share: ValueErrors that name the key."""
+    if not alpha > 0:
+        raise ValueError(f"alpha must be > 0 (the Beta distribution's parameter), got {alpha}")
+    if not 0 <= prob <= 1:
+        raise ValueError(f"prob must be in [0, 1] (the fraction of batches mixed), got {prob}")
+    if num_classes is not None and num_classes < 2:
+        raise ValueError(f"num_classes must be at least 2 (or null: the run's), got {num_classes}")
+
+
+def draw_lambda(alpha: float, generator: np.random.Generator | None = None) -> float:
+    """The mixing weight, ``Beta(alpha, alpha)``: the share of each sample's own image."""
+    generator = generator if generator is not None else np.random.default_rng()
+    return float(generator.beta(alpha, alpha))
+
+
+def mix_targets(targets: torch.Tensor, num_classes: int, lam: float) -> torch.Tensor:
+    """``lam * p + (1 - lam) * p.roll(1)`` where ``p`` is the one-hot rows of class
+    indices ``targets`` (or ``targets`` itself when it already holds probabilities,
+    ``(N, num_classes)``): float probabilities whose rows sum to 1."""
+    if targets.ndim == 1:
+        probs = F.one_hot(targets.long(), num_classes).float()
+    else:
+        probs = targets.float()
+    return torch.lerp(probs.roll(1, 0), probs, lam)
+
+
+def mixup_batch(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    num_classes: int,
+    alpha: float = 0.2,
+    generator: np.random.Generator | None = None,
+    lam: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Mix every sample with its neighbour (the batch rolled by one, as
+    torchvision's MixUp pairs them; with a shuffled loader the pairs are random).
+
+    ``inputs`` is ``uint8`` (0-255) or float in [0, 1], ``(N, C, H, W)``; ``lam`` is
+    drawn from ``Beta(alpha, alpha)`` with ``generator`` unless given. Returns the
+    mixed float batch in [0, 1], the soft targets ``(N, num_classes)`` and ``lam``.
+    ``inputs`` and ``targets`` are not modified.
+    """
+    if lam is None:
+        lam = draw_lambda(alpha, generator)
+    x = to_unit_float(inputs)
+    return torch.lerp(x.roll(1, 0), x, lam), mix_targets(targets, num_classes, lam), lam
+
+
+def infer_num_classes(state: State) -> int | None:
+    """The run's number of classes: ``model.num_classes`` of the config, the
+    model's own ``num_classes`` (timm), or the width of its last linear layer."""
+    from_config = (state.config.get("model") or {}).get("num_classes")
+    if from_config:
+        return int(from_config)
+    model = state.unwrapped_model
+    if isinstance(getattr(model, "num_classes", None), int) and model.num_classes > 0:
+        return model.num_classes
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return linears[-1].out_features if linears else None
+
+
+def check_soft_target_loss(name: str, state: State, num_classes: int) -> None:
+    """Refuse, before the first batch, a loss that cannot take class probabilities."""
+    logits = torch.zeros(2, num_classes, device=state.device)
+    probs = torch.full((2, num_classes), 1 / num_classes, device=state.device)
+    try:
+        state.loss_fn(logits, probs)
+    except Exception as exc:
+        raise ConfigError(
+            f"algorithms.{name}: the run's loss_fn ({type(state.loss_fn).__name__}) does not take "
+            f"class-probability targets ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+            "use nn.CrossEntropyLoss (the default), which does"
+        ) from None
+
+
+def resolve_num_classes(name: str, state: State, configured: int | None) -> int:
+    num_classes = configured or infer_num_classes(state)
+    if num_classes is None:
+        raise ConfigError(
+            f"algorithms.{name}: cannot tell the number of classes from the model; "
+            f"set algorithms.{name}.num_classes"
+        )
+    check_soft_target_loss(name, state, num_classes)
+    return num_classes
+
+
+class Mixup(Algorithm):
+    """MixUp: train on convex combinations of image pairs and their one-hot labels."""
+
+    name = "mixup"
+    config_class = MixupConfig
+    # Mix the final training images: after resizing and per-sample augmentation.
+    runs_after = ("image_size_curriculum", "gpu_augmentation")
+    # One mixing per batch: both at once would mix twice (see the card).
+    conflicts_with = ("cutmix",)
+
+    def __init__(self, config: MixupConfig | None = None) -> None:
+        super().__init__(config)
+        self.num_classes = 0
+
+    @hookimpl
+    def fit_start(self, state: State) -> None:
+        self.num_classes = resolve_num_classes(self.name, state, self.config.num_classes)
+
+    @hookimpl
+    def batch_start(self, state: State) -> None:
+        # Training batches only: evaluation fires eval_batch_start, left alone.
+        rng = np.random.default_rng(batch_seed(state.seed, state.rank, state.timestamp.batch, self.name))
+        if rng.random() >= self.config.prob:
+            return
+        inputs, targets, *rest = state.batch
+        mixed, soft, _ = mixup_batch(inputs, targets, self.num_classes, self.config.alpha, rng)
+        state.batch = (mixed, soft, *rest)
+

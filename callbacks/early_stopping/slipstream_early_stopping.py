@@ -1,0 +1,89 @@
+"""Early stopping: end the run when an eval metric has stopped improving."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from slipstream import Callback, State, hookimpl
+
+STATUS = "stopped_early"
+# The metrics of an eval record it may watch, and the direction each improves in.
+MODES = {"accuracy": "max", "accuracy_top5": "max", "loss": "min"}
+
+
+@dataclass
+class EarlyStoppingConfig:
+    monitor: str = "accuracy"  # accuracy | accuracy_top5 | loss, of the eval records
+    patience: int = 3  # evaluations without improvement before the run stops
+    min_delta: float = 0.0  # an improvement smaller than this does not count
+    mode: Optional[str] = None  # max | min; None: max for accuracy, min for loss
+
+    def __post_init__(self) -> None:
+        if self.monitor not in MODES:
+            raise ValueError(f"monitor must be one of {', '.join(MODES)}, got {self.monitor!r}")
+        if self.patience < 1:
+            raise ValueError(f"patience must be at least 1 evaluation, got {self.patience}")
+        if self.min_delta < 0:
+            raise ValueError(f"min_delta must be 0 or more, got {self.min_delta}")
+        if self.mode is None:
+            self.mode = MODES[self.monitor]
+        if self.mode not in ("max", "min"):
+            raise ValueError(f"mode must be max or min (or null), got {self.mode!r}")
+
+
+def improved(value: float, best: float | None, mode: str, min_delta: float) -> bool:
+    """Whether ``value`` beats ``best`` by more than ``min_delta`` in ``mode``.
+
+    >>> improved(0.52, 0.5, "max", 0.01), improved(0.505, 0.5, "max", 0.01), improved(1.0, None, "min", 0)
+    (True, False, True)
+    """
+    if best is None:
+        return True
+    return value > best + min_delta if mode == "max" else value < best - min_delta
+
+
+class EarlyStopping(Callback):
+    """Stop the run (status stopped_early) when eval accuracy or loss stops improving."""
+
+    name = "early_stopping"
+    config_class = EarlyStoppingConfig
+
+    def __init__(self, config: EarlyStoppingConfig | None = None) -> None:
+        super().__init__(config)
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.waited = 0  # evaluations since the last improvement
+
+    @hookimpl
+    def eval_end(self, state: State) -> None:
+        # Eval metrics are all-reduced, so every rank decides alike and stops at
+        # the same batch.
+        cfg = self.config
+        value = state.eval_metrics.get(cfg.monitor)
+        if value is None:
+            return
+        if value == value and improved(value, self.best, cfg.mode, cfg.min_delta):  # NaN never improves
+            self.best, self.best_step, self.waited = value, state.timestamp.batch, 0
+            return
+        self.waited += 1
+        # The final evaluation ends the run anyway: nothing left to stop.
+        if self.waited >= cfg.patience and not state.is_done():
+            state.summary["early_stopping"] = {
+                "monitor": cfg.monitor,
+                "best": self.best,
+                "best_step": self.best_step,
+                "stopped_step": state.timestamp.batch,
+            }
+            best = "none finite" if self.best is None else f"{self.best:.4g} at step {self.best_step}"
+            state.request_stop(
+                STATUS,
+                f"stopped early: eval {cfg.monitor} has not improved by more than {cfg.min_delta} "
+                f"for {self.waited} evaluations (best {best})",
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_step": self.best_step, "waited": self.waited}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.best_step, self.waited = state["best"], state["best_step"], state["waited"]

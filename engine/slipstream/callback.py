@@ -1,0 +1,30 @@
+"""`Callback`, the base class of every plugin that observes a run."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from .plugin import Plugin
+
+
+class Callback(Plugin):
+    """An observer of the run: a logger, a profiler, a monitor, early stopping.
+
+    The same hooks and config mechanism as an :class:`~slipstream.Algorithm`
+    (``name``, optional ``config_class``, built as ``cls(config)``, hook methods
+    decorated with :data:`slipstream.hookimpl`, ``state_dict`` /
+    ``load_state_dict``), enabled with ``--callbacks`` or a recipe's
+    ``callbacks:`` section and registered through the ``slipstream.callbacks``
+    entry-point group.
+
+    A callback observes: it may read ``state`` and ask the run to stop
+    (``state.request_stop(status, reason)``), but it may not implement a step hook
+    (``forward``, ``compute_loss``, ``backward``, ``should_step``,
+    ``optimizer_step``); the run refuses to start if it does. At every event,
+    callbacks are called after the algorithms and after the engine's services, so
+    they see the record written, the checkpoint saved and, at ``fit_end``,
+    ``summary.json`` written. ``log_metrics(state, record)`` gives each record of
+    ``metrics.jsonl`` as it is written (global rank 0 only).
+    """
+
+    kind: ClassVar[str] = "callback"

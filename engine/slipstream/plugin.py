@@ -1,0 +1,41 @@
+"""`Plugin`, what an algorithm and a callback share: a name, a config and state."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class Plugin:
+    """A name (what users type to enable it), an optional ``config_class``
+    dataclass (whose ``__post_init__`` raises ``ValueError`` for an out-of-range
+    value) and hook methods decorated with :data:`slipstream.hookimpl`. The engine
+    builds a plugin as ``cls(config)``. State that must survive a checkpoint goes
+    through ``state_dict`` / ``load_state_dict``.
+
+    ``kind`` says which it is (``"algorithm"`` or ``"callback"``): the config
+    section (``algorithms.<name>``, ``callbacks.<name>``) and messages use it.
+    """
+
+    kind: ClassVar[str] = "plugin"
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type | None] = None
+
+    def __init__(self, config: Any = None) -> None:
+        if config is None and self.config_class is not None:
+            config = self.config_class()
+        self.config = config
+
+    @classmethod
+    def summary(cls) -> str:
+        """One line for ``slipstream algorithms`` / ``callbacks``: the docstring's first line."""
+        doc = (cls.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"

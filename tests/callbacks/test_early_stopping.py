@@ -1,0 +1,81 @@
+"""early_stopping: ends a run whose eval metric stopped improving, with status
+stopped_early (exit code 0), and leaves an improving run alone."""
+
+from __future__ import annotations
+
+import pytest
+from slipstream_early_stopping import EarlyStopping, EarlyStoppingConfig, improved
+
+from helpers import train
+from slipstream import Algorithm, hookimpl, load_checkpoint
+from slipstream.cli import exit_code
+
+
+class ScriptedEval(Algorithm):
+    """Each evaluation reports the next scripted value (algorithms act before callbacks)."""
+
+    name = "scripted_eval"
+
+    def __init__(self, values, metric="accuracy"):
+        super().__init__()
+        self.values, self.metric, self.seen = list(values), metric, 0
+
+    @hookimpl
+    def eval_end(self, state):
+        state.eval_metrics[self.metric] = self.values[min(self.seen, len(self.values) - 1)]
+        self.seen += 1
+
+
+PLATEAU = [0.5, 0.6, 0.6, 0.55, 0.6, 0.7, 0.8, 0.9]  # no gain after the 2nd evaluation for a while
+
+
+def test_stops_when_the_metric_stops_improving(tmp_path):
+    # One evaluation per batch: the 5th evaluation is the 3rd without a gain.
+    stopper = EarlyStopping(EarlyStoppingConfig(patience=3))
+    trainer = train(
+        tmp_path, [ScriptedEval(PLATEAU)], callbacks=[stopper], max_duration="4ep", eval_interval="1ba"
+    )
+    summary = trainer.summary
+    assert summary["status"] == "stopped_early" and exit_code(summary) == 0
+    assert summary["batches"] == 5  # not the 16 of 4 epochs
+    assert "has not improved" in summary["stop_reason"] and "best 0.6 at step 2" in summary["stop_reason"]
+    assert summary["early_stopping"] == {"monitor": "accuracy", "best": 0.6, "best_step": 2, "stopped_step": 5}
+    assert load_checkpoint(trainer.paths.latest)["plugins"]["early_stopping"]["state"]["waited"] == 3
+
+
+def test_does_not_stop_with_a_large_patience(tmp_path):
+    stopper = EarlyStopping(EarlyStoppingConfig(patience=4))
+    trainer = train(
+        tmp_path, [ScriptedEval(PLATEAU)], callbacks=[stopper], max_duration="2ep", eval_interval="1ba"
+    )
+    assert trainer.summary["status"] == "completed" and trainer.summary["batches"] == 8
+    assert "stop_reason" not in trainer.summary
+
+
+def test_min_delta_and_loss_mode(tmp_path):
+    # Loss falls by 0.005 per evaluation: an improvement, unless min_delta asks for 0.01.
+    losses = [1.0 - 0.005 * i for i in range(20)]
+    stopper = EarlyStopping(EarlyStoppingConfig(monitor="loss", patience=2, min_delta=0.01))
+    assert stopper.config.mode == "min"
+    trainer = train(
+        tmp_path / "a", [ScriptedEval(losses, "loss")], callbacks=[stopper], max_duration="2ep", eval_interval="1ba"
+    )
+    assert trainer.summary["status"] == "stopped_early" and trainer.summary["batches"] == 3
+    trainer = train(
+        tmp_path / "b",
+        [ScriptedEval(losses, "loss")],
+        callbacks=[EarlyStopping(EarlyStoppingConfig(monitor="loss", patience=2))],
+        max_duration="2ep",
+        eval_interval="1ba",
+    )
+    assert trainer.summary["status"] == "completed"
+
+
+def test_improved_and_config_checks():
+    assert improved(0.7, 0.6, "max", 0.05) and not improved(0.62, 0.6, "max", 0.05)
+    assert improved(0.5, 0.6, "min", 0.0) and not improved(0.6, 0.6, "min", 0.0)
+    assert EarlyStoppingConfig(monitor="accuracy").mode == "max"
+    with pytest.raises(ValueError, match="patience must be at least 1"):
+        EarlyStoppingConfig(patience=0)
+    with pytest.raises(ValueError, match="mode must be max or min"):
+        EarlyStoppingConfig(mode="up")

@@ -1,0 +1,89 @@
+"""checkpoints/best.pt: the weights of the best evaluation so far, not the last."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from helpers import train
+from slipstream import Algorithm, ConfigError, hookimpl, load_checkpoint
+
+
+class ScriptedEval(Algorithm):
+    """Replaces each evaluation's accuracy (or loss) with the next scripted value, so
+    the best evaluation is known in advance. Algorithms act before the engine
+    records, so the checkpointer sees the scripted value."""
+
+    name = "scripted_eval"
+
+    def __init__(self, values, metric="accuracy", poison_at=None):
+        super().__init__()
+        self.values = list(values)
+        self.metric = metric
+        self.poison_at = poison_at  # evaluation index after which a weight becomes NaN
+        self.seen = 0
+
+    @hookimpl
+    def eval_end(self, state):
+        state.eval_metrics[self.metric] = self.values[self.seen]
+        if self.seen == self.poison_at:
+            with torch.no_grad():
+                next(state.model.parameters()).view(-1)[0] = float("nan")
+        self.seen += 1
+
+
+def weights(payload):
+    return {k: v for k, v in payload["model"].items() if v.is_floating_point()}
+
+
+def same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_best_pt_holds_the_weights_of_the_best_evaluation_not_the_last(tmp_path):
+    # 4 batches per epoch, an evaluation and a kept checkpoint at each epoch end.
+    trainer = train(
+        tmp_path, [ScriptedEval([0.4, 0.9, 0.6])], max_duration="3ep", checkpoint_keep=-1
+    )
+    paths = trainer.paths
+    best = load_checkpoint(paths.best)
+    assert best["best"] == {"metric": "accuracy", "value": 0.9, "step": 8, "epoch": 2}
+    assert same(weights(best), weights(load_checkpoint(paths.checkpoint(2, 8))))
+    assert not same(weights(best), weights(load_checkpoint(paths.latest)))
+    assert trainer.summary["best_checkpoint"]["step"] == 8
+
+
+def test_best_by_loss_keeps_the_lowest(tmp_path):
+    trainer = train(
+        tmp_path, [ScriptedEval([2.0, 1.5, 1.7], metric="loss")], max_duration="3ep", best_metric="loss"
+    )
+    assert load_checkpoint(trainer.paths.best)["best"]["value"] == 1.5
+
+
+def test_no_best_pt_without_a_metric_or_without_checkpoints(tmp_path):
+    assert not train(tmp_path / "a", max_duration="1ep", best_metric=None).paths.best.exists()
+    assert not train(tmp_path / "b", max_duration="1ep", checkpoint_interval=None).paths.best.exists()
+    with pytest.raises(ConfigError, match="trainer.best_metric must be one of accuracy, accuracy_top5, loss"):
+        train(tmp_path / "c", best_metric="acc")
+
+
+def test_best_pt_is_never_written_with_non_finite_weights(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = train(
+            tmp_path, [ScriptedEval([0.4, 0.9], poison_at=1)], max_duration="2ep", on_nonfinite="warn"
+        )
+    assert load_checkpoint(trainer.paths.best)["best"]["value"] == 0.4  # the better one had NaN weights
+    assert any("NaN or infinity" in str(w.message) for w in caught)
+
+
+def test_a_resumed_run_keeps_the_best_of_the_whole_run(tmp_path):
+    first = train(tmp_path, [ScriptedEval([0.9, 0.5])], max_duration="2ep")
+    best_before = load_checkpoint(first.paths.best)
+    train(
+        tmp_path, [ScriptedEval([0.7])], max_duration="3ep", load_path=first.paths.latest
+    )
+    after = load_checkpoint(first.paths.best)
+    assert after["best"] == best_before["best"] == {"metric": "accuracy", "value": 0.9, "step": 4, "epoch": 1}

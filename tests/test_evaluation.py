@@ -1,0 +1,62 @@
+"""The evaluation service: top-1 and, with at least 5 classes, top-5 accuracy in the
+eval records of metrics.jsonl and in summary.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import Probe, tiny_loaders, tiny_model
+from slipstream import Trainer
+
+
+def _fit(tmp_path, num_classes: int) -> tuple[Trainer, torch.Tensor, torch.Tensor]:
+    logits: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
+
+    def keep(state):
+        logits.append(state.outputs.float())
+        targets.append(state.batch[1])
+
+    train_data, eval_data = tiny_loaders(num_classes=num_classes)
+    model = tiny_model(num_classes=num_classes)
+    trainer = Trainer(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+        train_data=train_data,
+        eval_data=eval_data,
+        max_duration="2ba",
+        algorithms=[Probe(eval_batch_end=keep)],
+        run_dir=tmp_path / "run",
+        device="cpu",
+        progress_bar=False,
+        verbose=False,
+    )
+    trainer.fit()
+    return trainer, torch.cat(logits), torch.cat(targets)
+
+
+def test_top5_accuracy_is_reported_with_at_least_five_classes(tmp_path):
+    trainer, logits, targets = _fit(tmp_path, num_classes=10)
+    top5 = (logits.topk(5, dim=1).indices == targets[:, None]).any(dim=1).float().mean().item()
+    top1 = (logits.argmax(dim=1) == targets).float().mean().item()
+    metrics = trainer.state.eval_metrics
+    assert metrics["accuracy_top5"] == pytest.approx(top5)
+    assert metrics["accuracy"] == pytest.approx(top1)
+    # A near-untrained 10-class model: top-5 is not top-1, so the two are told apart.
+    assert metrics["accuracy_top5"] > metrics["accuracy"]
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    (final,) = [r for r in records if r["kind"] == "eval"]
+    assert final["accuracy_top5"] == pytest.approx(top5)
+    summary = json.loads((trainer.run_dir / "summary.json").read_text())
+    assert summary["accuracy_top5"] == pytest.approx(top5)
+    assert summary["best_accuracy_top5"] == pytest.approx(top5)
+
+
+def test_no_top5_with_fewer_than_five_classes(tmp_path):
+    trainer, _, _ = _fit(tmp_path, num_classes=4)
+    assert set(trainer.state.eval_metrics) == {"loss", "accuracy"}
+    summary = json.loads((trainer.run_dir / "summary.json").read_text())
+    assert "accuracy_top5" not in summary
