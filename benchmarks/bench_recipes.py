@@ -4,6 +4,8 @@ how much sooner each run reaches the baseline's final accuracy (or --target).
 
     .venv/bin/python benchmarks/bench_recipes.py resnet18_baseline resnet18_fast [--threads 2] [-o key=value ...]
     .venv/bin/python benchmarks/bench_recipes.py resnet18_baseline resnet18_fast --quick   # a smoke run
+    .venv/bin/python benchmarks/bench_recipes.py benchmarks/recipes/cifar_w16_baseline.yaml \
+        benchmarks/recipes/cifar_w16_fast.yaml                 # recipe paths work too (issue 8's candidates)
 
 Time to accuracy is read from each run's eval records (``elapsed_s``), as
 ``slipstream compare`` does; run the recipes one after another on a quiet machine.
@@ -41,7 +43,8 @@ def main() -> None:
     runs = []
     for i, name in enumerate(args.recipes):
         # The same recipe twice (a noise check) gets two run directories.
-        label = name if args.recipes.index(name) == i else f"{name}-{i + 1}"
+        stem = Path(name).stem if name.endswith((".yaml", ".yml")) else name  # a recipe path
+        label = stem if args.recipes.index(name) == i else f"{stem}-{i + 1}"
         overrides = [
             *(QUICK if args.quick else []),
             *args.override,
