@@ -32,7 +32,9 @@ def test_overwrite_leaves_only_the_new_runs_files_and_the_users_own(tmp_path):
     second = train(tmp_path, [], max_duration="3ba", log_interval=1, overwrite=True)
     assert steps(run, "train") == [1, 2, 3] and steps(run, "eval") == [3]
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert names == ["ep0-ba3.pt", "exported.pt", "latest.pt"]
+    assert names == ["best.pt", "ep0-ba3.pt", "exported.pt", "latest.pt"]
+    # best.pt is the new run's (its one evaluation, at step 3), not the old run's best
+    assert torch.load(run / "checkpoints" / "best.pt", weights_only=True)["best"]["step"] == 3
     assert (run / "notes.txt").read_text() == "mine"
     row = compare_runs_json([load_run(run)])[0]
     assert row["best_accuracy_pct"] == pytest.approx(100 * second.summary["accuracy"])

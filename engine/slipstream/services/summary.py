@@ -54,6 +54,9 @@ class SummaryWriter:
     def build(self, state: State, status: str) -> dict[str, Any]:
         """The summary of the run as it stands, with ``status``."""
         ts = state.timestamp
+        # The clock as of now: the final evaluation (at fit_end, after the loop's last
+        # tick) is in eval_time_s, so it must be in the elapsed time it is taken from.
+        state.tick()
         train_s = max(state.session_elapsed_s - state.summary.get("eval_time_s", 0.0), 1e-9)
         utilization = self.utilization.summary(state, train_s) if self.utilization else {}
         return {
