@@ -4,8 +4,7 @@ how much sooner each run reaches the baseline's final accuracy (or --target).
 
     .venv/bin/python benchmarks/bench_recipes.py resnet18_baseline resnet18_fast [--threads 2] [-o key=value ...]
     .venv/bin/python benchmarks/bench_recipes.py resnet18_baseline resnet18_fast --quick   # a smoke run
-    .venv/bin/python benchmarks/bench_recipes.py benchmarks/recipes/cifar_w16_baseline.yaml \
-        benchmarks/recipes/cifar_w16_fast.yaml                 # recipe paths work too (issue 8's candidates)
+    .venv/bin/python benchmarks/bench_recipes.py resnet18_baseline my_variant.yaml   # recipe paths work too
 
 Time to accuracy is read from each run's eval records (``elapsed_s``), as
 ``slipstream compare`` does; run the recipes one after another on a quiet machine.
