@@ -44,6 +44,17 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
+def _add_listing(sub: Any, kind: str, item: str) -> None:
+    """``slipstream algorithms`` and ``slipstream callbacks``: one listing, two groups."""
+    listing = sub.add_parser(kind, help=f"list installed {kind}")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    listing.add_argument(
+        "--check",
+        action="store_true",
+        help=f"import every {item} and report the ones that fail to load (slower)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="slipstream",
@@ -101,13 +112,7 @@ def _parser() -> argparse.ArgumentParser:
         help="dotted overrides, e.g. trainer.max_duration=5ep",
     )
 
-    algos = sub.add_parser("algorithms", help="list installed algorithms")
-    algos.add_argument("--json", action="store_true", help="machine-readable output")
-    algos.add_argument(
-        "--check",
-        action="store_true",
-        help="import every plugin and report the ones that fail to load (slower)",
-    )
+    _add_listing(sub, "algorithms", "plugin")
 
     sweep = sub.add_parser(
         "sweep",
@@ -137,13 +142,7 @@ def _parser() -> argparse.ArgumentParser:
         help="key=loguniform(a,b), key=uniform(a,b), key=int(a,b), key=choice(x,y,...), or a fixed key=value",
     )
 
-    callbacks = sub.add_parser("callbacks", help="list installed callbacks")
-    callbacks.add_argument("--json", action="store_true", help="machine-readable output")
-    callbacks.add_argument(
-        "--check",
-        action="store_true",
-        help="import every callback and report the ones that fail to load (slower)",
-    )
+    _add_listing(sub, "callbacks", "callback")
 
     recipes = sub.add_parser("recipes", help="list bundled recipes")
     recipes.add_argument("--json", action="store_true", help="machine-readable output")
