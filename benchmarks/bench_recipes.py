@@ -13,11 +13,13 @@ Time to accuracy is read from each run's eval records (``elapsed_s``), as
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from slipstream.cli import exit_code
 from slipstream.config import build_config
 from slipstream.results import compare_runs, compare_runs_json, load_run
 from slipstream.runner import build_trainer
@@ -52,7 +54,10 @@ def main() -> None:
             "trainer.progress_bar=false",
         ]
         trainer = build_trainer(build_config(name, None, overrides), label=name, verbose=False)
-        trainer.fit()
+        summary = trainer.fit()
+        if summary["status"] == "interrupted":  # Ctrl-C or SIGTERM: the user wants the benchmark over
+            print(f"{label}: interrupted; runs kept in {out}", file=sys.stderr)
+            sys.exit(exit_code(summary))
         runs.append(load_run(out / label))
         print(compare_runs(runs, args.target), flush=True)
     rows = compare_runs_json(runs, args.target)

@@ -1,6 +1,7 @@
 """Configuration: recipes, inheritance, merge order and clear errors."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -166,6 +167,17 @@ def test_bundled_recipes_are_found_from_any_directory(tmp_path):
 def test_every_bundled_recipe_resolves():
     for name in bundled():
         build_config(name)
+
+
+VARIANTS = Path(__file__).resolve().parents[1] / "benchmarks" / "recipe_variants"
+
+
+@pytest.mark.parametrize("path", sorted(VARIANTS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_measured_recipe_variant_resolves(path):
+    # The README and the cards quote runs of these files: a renamed key must not leave
+    # a figure that no command can reproduce.
+    cfg = build_config(str(path))
+    assert cfg.model.cifar_stem and cfg.data.image_size == 32
 
 
 @pytest.mark.parametrize(
