@@ -38,6 +38,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from slipstream import Algorithm, ConfigError, State, hookimpl
+from slipstream.flops import meta_copy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Where "auto" finds the blocks: timm ViTs/ConvNeXts, timm and torchvision ResNets.
@@ -272,6 +273,9 @@ class FSDP(Algorithm):
                 "made contiguous (inputs stay channels-last)",
                 stacklevel=2,
             )
+        # FSDP2 refuses deepcopy, which the FLOP count (MFU) makes of the model on the
+        # meta device: hand it that copy now, while the model is still a plain module.
+        state.flops_model = meta_copy(model)
         names = {id(p): n for n, p in model.named_parameters()}
         shard_model(
             model,

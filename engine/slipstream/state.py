@@ -89,6 +89,10 @@ class State:
     # during the run (image_size_curriculum does), so that plugins specialising on
     # shapes (torch_compile) prepare for it without naming that plugin.
     varying_input_size: bool = False
+    # What the FLOP counter (MFU) copies to the meta device in place of the model, set
+    # at init by a plugin whose model cannot be copied once it has changed it (FSDP2
+    # refuses deepcopy): `slipstream.flops.meta_copy` of the model just before.
+    flops_model: nn.Module | None = None
 
     # The algorithms of this run, in their resolved order.
     algorithms: list[Any] = field(default_factory=list)

@@ -97,6 +97,16 @@ def test_two_processes_match_one_process(ranks, tmp_path):
     assert relative_difference(sharded, initial) > 1e-3  # and it trained
 
 
+def test_mfu_is_counted_under_fsdp_as_in_one_process(ranks, tmp_path):
+    # FSDP2 refuses the deepcopy the FLOP count makes: the plugin hands over a meta copy.
+    one_process(tmp_path)
+    alone = json.loads((tmp_path / "one" / "summary.json").read_text())
+    sharded = json.loads((ranks / "full" / "summary.json").read_text())
+    assert sharded["flop_count_error"] is None
+    assert sharded["train_flops_per_sample"] == alone["train_flops_per_sample"] != {}
+    assert sharded["mfu"] is not None and sharded["mfu"] > 0
+
+
 def test_resumes_mid_epoch_bit_exactly_from_full_and_sharded_checkpoints(ranks):
     for kind in ("full", "sharded"):
         straight, resumed = weights(ranks / f"{kind}.weights.pt"), weights(ranks / f"{kind}_resumed.weights.pt")

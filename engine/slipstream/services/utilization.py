@@ -88,7 +88,8 @@ class Utilization:
             try:
                 if not isinstance(inputs, torch.Tensor):
                     raise TypeError(f"the inputs are a {type(inputs).__name__}, not a tensor")
-                per_sample = training_flops_per_sample(state.unwrapped_model, inputs)
+                model = state.flops_model if state.flops_model is not None else state.unwrapped_model
+                per_sample = training_flops_per_sample(model, inputs)
             except Exception as exc:  # any model may fail on meta tensors: MFU is then unknown
                 self._give_up(f"{type(exc).__name__}: {exc}")
                 return None
