@@ -24,6 +24,7 @@ from . import hookspecs
 from .algorithm import Algorithm
 from .callback import Callback
 from .checkpoint import checkpoint_payload, restore_checkpoint
+from .dispatch import bind
 from .distributed import init_distributed, resolve_device
 from .duration import Duration
 from .errors import CheckpointError, ConfigError, PluginError
@@ -61,10 +62,6 @@ from .services.batches import to_device
 from .services.divergence import DivergenceMonitor
 from .services.target import check_target
 from .state import State, unwrap_model
-
-
-def _noop(**_: Any) -> None:
-    return None
 
 
 class Trainer:
@@ -350,10 +347,10 @@ class Trainer:
                 )
 
     def _bind_hooks(self) -> None:
-        """Look every hook caller up once; a hook nobody implements becomes a no-op."""
+        """Look every hook up once (`slipstream.dispatch.bind`): a hook nobody
+        implements becomes a no-op, plain implementations are called directly."""
         for name in (*hookspecs.EVENTS, *hookspecs.STEPS):
-            caller = getattr(self.pm.hook, name)
-            setattr(self._hooks, name, caller if caller.get_hookimpls() else _noop)
+            setattr(self._hooks, name, bind(self.pm, name))
 
     @property
     def hooks(self) -> SimpleNamespace:
@@ -434,7 +431,8 @@ class Trainer:
     def _train_batch(self, batch: Any) -> None:
         state, h, ts = self.state, self._hooks, self.state.timestamp
         state.batch = to_device(batch, self.device)
-        samples = len(state.batch[0]) * state.world_size
+        inputs = state.batch[0]
+        samples = (inputs.shape[0] if isinstance(inputs, torch.Tensor) else len(inputs)) * state.world_size
         h.batch_start(state=state)
         self.normalize.prepare(state)
         h.before_forward(state=state)

@@ -8,9 +8,10 @@ import torch
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    non_blocking = device.type == "cuda"
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
+        if batch.device == device:  # no `to`: its dispatch costs a step of a tiny model 1 %
+            return batch
+        return batch.to(device, non_blocking=device.type == "cuda")
     if isinstance(batch, (list, tuple)):
         return tuple(to_device(item, device) for item in batch)
     if isinstance(batch, dict):

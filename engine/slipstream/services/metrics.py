@@ -70,8 +70,7 @@ class MetricsLogger:
         self.utilization = utilization
         self._flops_at_last: float | None = 0.0
         self._file: Any = None
-        self._loss_sum: torch.Tensor | None = None
-        self._batches = 0
+        self._losses: list[torch.Tensor] = []
         self._samples_at_last = 0
         self._time_at_last = 0.0
         self._eval_started: float | None = None
@@ -91,9 +90,8 @@ class MetricsLogger:
 
     @hookimpl
     def after_loss(self, state: State) -> None:
-        loss = state.loss.detach().float()
-        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-        self._batches += 1
+        # A reference to the device scalar: no arithmetic per step, one sum per interval.
+        self._losses.append(state.loss.detach())
 
     @hookimpl
     def batch_end(self, state: State) -> None:
@@ -101,9 +99,10 @@ class MetricsLogger:
             self.log_train(state)
 
     def log_train(self, state: State) -> None:
-        if self._batches == 0:
+        if not self._losses:
             return
-        loss = (self._loss_sum / self._batches).item()  # the one sync per interval
+        losses = torch.stack([loss.float().reshape(()) for loss in self._losses])
+        loss = losses.mean().item()  # the one sync per interval
         now = state.tick()  # after the sync, so the interval holds the device's work
         seconds = max(now - self._time_at_last, 1e-9)
         samples = state.timestamp.samples - self._samples_at_last
@@ -124,7 +123,7 @@ class MetricsLogger:
         record.update({key: _scalar(value) for key, value in state.metrics.items()})
         self._write(state, {k: _scalar(v) for k, v in record.items()})
         self._last["train"] = record
-        self._loss_sum, self._batches = None, 0
+        self._losses = []
         self._samples_at_last, self._time_at_last = state.timestamp.samples, state.tick()
         self._flops_at_last = flops
 

@@ -80,7 +80,7 @@ class Utilization:
             per_sample = self._count(state, inputs)
             if per_sample is None:
                 return
-        self.flops += per_sample * len(inputs)
+        self.flops += per_sample * inputs.shape[0]
 
     def _count(self, state: State, inputs: Any) -> float | None:
         started = time.perf_counter()
