@@ -212,3 +212,32 @@ def test_train_throughput_leaves_evaluation_time_out(tmp_path, monkeypatch):
     rates = [r["samples_per_s"] for r in records if r["kind"] == "train"]
     assert [r["step"] for r in records if r["kind"] == "eval"] == [4, 8, 12]
     assert rates == pytest.approx([16.0] * 4)
+
+
+class LossRecorder(Algorithm):
+    name = "loss_recorder"
+
+    def __init__(self):
+        super().__init__()
+        self.losses: list[float] = []
+
+    @hookimpl
+    def after_loss(self, state):
+        self.losses.append(float(state.loss))
+
+
+@pytest.mark.parametrize("fold", [256, 2])
+def test_the_logged_loss_is_the_mean_of_the_intervals_batches(tmp_path, monkeypatch, fold):
+    # fold=2 makes the logger sum its kept losses every 2 batches inside a 5-batch interval.
+    import slipstream.services.metrics as metrics
+
+    monkeypatch.setattr(metrics, "FOLD", fold)
+    recorder = LossRecorder()
+    trainer = train(tmp_path, [recorder], max_duration="12ba", log_interval=5, eval_interval=None)
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+    assert [step for step, _ in logged] == [5, 10, 12]
+    starts = [0, 5, 10]
+    for (step, loss), start in zip(logged, starts, strict=True):
+        expected = sum(recorder.losses[start:step]) / (step - start)
+        assert loss == pytest.approx(expected, rel=1e-6)

@@ -25,6 +25,9 @@ from ..rundir import METRICS, atomic_write_text, strict_json
 from ..state import State
 from .utilization import Utilization
 
+# Per-batch losses kept as references before they are summed into one tensor.
+FOLD = 256
+
 
 def _scalar(value: Any) -> Any:
     return value.item() if isinstance(value, torch.Tensor) else value
@@ -71,6 +74,7 @@ class MetricsLogger:
         self._flops_at_last: float | None = 0.0
         self._file: Any = None
         self._losses: list[torch.Tensor] = []
+        self._folded: tuple[torch.Tensor, int] | None = None  # (sum, count) of older losses
         self._samples_at_last = 0
         self._time_at_last = 0.0
         self._eval_started: float | None = None
@@ -90,8 +94,21 @@ class MetricsLogger:
 
     @hookimpl
     def after_loss(self, state: State) -> None:
-        # A reference to the device scalar: no arithmetic per step, one sum per interval.
+        # A reference to the device scalar: no arithmetic per step, one sum per interval
+        # (folded every FOLD batches, so a long log interval holds few references).
         self._losses.append(state.loss.detach())
+        if len(self._losses) >= FOLD:
+            self._folded = self._loss_total()
+            self._losses = []
+
+    def _loss_total(self) -> tuple[torch.Tensor, int] | None:
+        """(sum, count) of the losses since the last record; no device sync."""
+        total = self._folded
+        if self._losses:
+            part = torch.stack([loss.float().reshape(()) for loss in self._losses]).sum()
+            count = len(self._losses)
+            total = (part, count) if total is None else (total[0] + part, total[1] + count)
+        return total
 
     @hookimpl
     def batch_end(self, state: State) -> None:
@@ -99,10 +116,10 @@ class MetricsLogger:
             self.log_train(state)
 
     def log_train(self, state: State) -> None:
-        if not self._losses:
+        total = self._loss_total()
+        if total is None:
             return
-        losses = torch.stack([loss.float().reshape(()) for loss in self._losses])
-        loss = losses.mean().item()  # the one sync per interval
+        loss = (total[0] / total[1]).item()  # the one sync per interval
         now = state.tick()  # after the sync, so the interval holds the device's work
         seconds = max(now - self._time_at_last, 1e-9)
         samples = state.timestamp.samples - self._samples_at_last
@@ -123,7 +140,7 @@ class MetricsLogger:
         record.update({key: _scalar(value) for key, value in state.metrics.items()})
         self._write(state, {k: _scalar(v) for k, v in record.items()})
         self._last["train"] = record
-        self._losses = []
+        self._losses, self._folded = [], None
         self._samples_at_last, self._time_at_last = state.timestamp.samples, state.tick()
         self._flops_at_last = flops
 
