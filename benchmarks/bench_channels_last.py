@@ -18,22 +18,13 @@ from typing import Any
 import torch
 from slipstream_channels_last import ChannelsLast
 
-from common import compare, parser, random_loader, report
+from common import compare, mixed_precision_bf16, parser, random_loader, report
 from slipstream import Algorithm
 from slipstream.models import build_model
-from slipstream.plugins import build_config, discover
 
 # model kwargs of the reference recipes' ResNet-18 (recipes/resnet18_baseline.yaml)
 REFERENCE = {"cifar_stem": True, "channels": (16, 32, 64, 128), "stem_width": 16}
 
-
-def mixed_precision_bf16() -> Callable[[], Algorithm] | None:
-    """A builder of the mixed_precision plugin in bf16, or None if it is not installed."""
-    info = discover().get("mixed_precision")
-    if info is None or info.cls is None:
-        print("(mixed_precision is not installed: bf16 variants skipped)")
-        return None
-    return lambda: info.cls(build_config(info.cls, {"dtype": "bf16"}))
 
 
 def bench(

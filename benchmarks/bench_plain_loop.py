@@ -31,12 +31,11 @@ import torch
 import torch.nn.functional as F
 from slipstream_channels_last import ChannelsLast
 
-from common import compare, parser, random_loader
+from common import compare, mixed_precision_bf16, parser, random_loader
 from slipstream import Algorithm
 from slipstream.flops import training_flops_per_sample
 from slipstream.models import build_model
 from slipstream.peak_flops import peak_flops
-from slipstream.plugins import build_config, discover
 
 VARIANTS = {  # name: (channels_last, bf16)
     "fp32": (False, False),
@@ -84,12 +83,6 @@ def engine_variant(width: int, cl: bool, bf16: Callable[[], Algorithm] | None):
 
     return build
 
-
-def mixed_precision_bf16() -> Callable[[], Algorithm] | None:
-    info = discover().get("mixed_precision")
-    if info is None or info.cls is None:
-        return None
-    return lambda: info.cls(build_config(info.cls, {"dtype": "bf16"}))
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from slipstream import Algorithm, Trainer, hookimpl
+from slipstream.plugins import build_config, discover
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -208,3 +209,12 @@ def report(title: str, results: dict[str, Result], memory: bool = False) -> str:
     text = "\n".join(lines)
     print(text, flush=True)
     return text
+
+
+def mixed_precision_bf16() -> Callable[[], Algorithm] | None:
+    """A builder of the mixed_precision plugin in bf16, or None if it is not installed."""
+    info = discover().get("mixed_precision")
+    if info is None or info.cls is None:
+        print("(mixed_precision is not installed: bf16 variants skipped)")
+        return None
+    return lambda: info.cls(build_config(info.cls, {"dtype": "bf16"}))
