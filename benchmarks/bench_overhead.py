@@ -9,7 +9,12 @@ process, repetitions interleaved; the hand-written loop is 1.00.
 The Trainer runs as users get it otherwise: metrics at the default interval (one
 device sync each), MFU counting, the hook bus. Goal: both Trainer rows at most 1.02.
 
-    .venv/bin/python benchmarks/bench_overhead.py [--threads 1] [--steps 3000] [--repeats 5]
+On a shared machine the speed drifts by several per cent over seconds, more than the
+engine costs, so each repetition runs the hand-written loop before and after the
+Trainer variants and divides by their mean: a ratio per repetition, of which the
+median (and the quartiles, the spread to trust) is reported.
+
+    .venv/bin/python benchmarks/bench_overhead.py [--threads 1] [--steps 1000] [--repeats 11]
     .venv/bin/python benchmarks/bench_overhead.py --quick
 """
 
@@ -84,10 +89,10 @@ def with_trainer(data: DataLoader, warmup: int, progress_bar: bool) -> float:
 
 def main() -> None:
     p = parser(__doc__)
-    p.set_defaults(threads=1, steps=3000, warmup=100, repeats=5)
+    p.set_defaults(threads=1, steps=1000, warmup=50, repeats=11)
     args = p.parse_args()
     if args.quick:
-        args.steps, args.warmup, args.repeats = 400, 50, 2
+        args.steps, args.warmup, args.repeats = 300, 30, 3
     torch.set_num_threads(args.threads)
     data = loader(args.warmup + args.steps)
     variants = {
@@ -96,19 +101,31 @@ def main() -> None:
         "Trainer + progress bar": lambda: with_trainer(data, args.warmup, progress_bar=True),
     }
     step_s: dict[str, list[float]] = {name: [] for name in variants}
+    ratios: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeats):
-        for name, run in variants.items():
-            step_s[name].append(run())
-    base = statistics.median(step_s["hand-written loop"])
+        before = variants["hand-written loop"]()
+        times = {name: run() for name, run in variants.items() if name != "hand-written loop"}
+        after = variants["hand-written loop"]()
+        base = (before + after) / 2
+        step_s["hand-written loop"] += [before, after]
+        ratios["hand-written loop"].append(after / before)
+        for name, seconds in times.items():
+            step_s[name].append(seconds)
+            ratios[name].append(seconds / base)
     print(
         f"tiny MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, batch {BATCH}, {args.steps} timed steps, "
-        f"{args.repeats} interleaved repetitions, {args.threads} thread(s); median per variant"
+        f"{args.repeats} repetitions (the loop before and after the Trainer runs), "
+        f"{args.threads} thread(s)"
     )
-    print(f"{'variant':<24} {'us/step':>9} {'ratio':>7}")
+    print(f"{'variant':<24} {'us/step':>9} {'ratio':>7}   quartiles of the ratio")
     for name, times in step_s.items():
-        median = statistics.median(times)
-        print(f"{name:<24} {1e6 * median:>9.1f} {median / base:>7.3f}")
-
+        r = sorted(ratios[name])
+        quartiles = f"{r[len(r) // 4]:.3f} - {r[(3 * len(r)) // 4]:.3f}"
+        label = "(after/before)" if name == "hand-written loop" else ""
+        print(
+            f"{name:<24} {1e6 * statistics.median(times):>9.1f} {statistics.median(r):>7.3f}   "
+            f"{quartiles} {label}"
+        )
 
 if __name__ == "__main__":
     main()

@@ -86,3 +86,36 @@ def test_wrappers_and_traced_managers_keep_pluggys_caller():
     traced = manager(Recorder("a", []))
     traced.add_hookcall_monitoring(lambda *a: None, lambda *a: None)
     assert bind(traced, "batch_end") is traced.hook.batch_end
+
+
+def test_an_implementation_may_declare_fewer_arguments_than_the_spec():
+    seen: list[object] = []
+
+    class NoArgs:  # pluggy passes each implementation only the arguments it names
+        @hookimpl
+        def log_metrics(self, record: dict) -> None:
+            seen.append(record)
+
+    class Both:
+        @hookimpl
+        def log_metrics(self, state: object, record: dict) -> str:
+            seen.append(state)
+            return "both"
+
+    pm = manager(NoArgs())
+    assert bind(pm, "log_metrics")(state="s", record={"loss": 1.0}) == [] == pm.hook.log_metrics(
+        state="s", record={"loss": 1.0}
+    )
+    assert seen == [{"loss": 1.0}] * 2
+    seen.clear()
+    pm = manager(NoArgs(), Both())
+    assert bind(pm, "log_metrics")(state="s", record={}) == ["both"]
+    assert seen == ["s", {}]
+
+
+def test_a_step_with_one_implementation_is_called_directly_with_its_result():
+    calls: list[str] = []
+    for result in ("stepped", None, False):
+        pm = manager(Recorder("only", calls, result))
+        assert bind(pm, "should_step")(state=None) == pm.hook.should_step(state=None)
+    assert calls == ["only"] * 6

@@ -218,3 +218,57 @@ def test_ddp_options_are_checked():
     cfg = build_config("default", None, ["trainer.ddp.static_graph=true"])
     ddp = TrainerOptions.from_config(cfg.trainer).validate().ddp
     assert ddp == {"static_graph": True, "find_unused_parameters": False}
+
+
+# A NaN loss on rank 1 only, at the third batch (finite gradients): both ranks must stop together (or the
+# next all-reduce hangs), and rank 0, which saw only finite losses, says where it was.
+NAN_ON_ONE_RANK = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    from torch import nn
+    from slipstream import Algorithm, Trainer, hookimpl
+
+    out = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+
+    class NanOnRank1(Algorithm):
+        name = "nan_on_rank1"
+
+        @hookimpl(wrapper=True)
+        def compute_loss(self, state):
+            loss = yield
+            if rank == 1 and state.timestamp.batch == 2:
+                # The value only: the gradients stay finite, so rank 0's weights and
+                # losses do too, and only the check's all-reduce can stop rank 0.
+                loss = loss + loss.detach() * float("nan")
+            return loss
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    data = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(10)]
+    trainer = Trainer(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_data=data,
+        max_duration="10ba", algorithms=[NanOnRank1()], run_dir=os.path.join(out, "run"),
+        eval_interval=None, checkpoint_interval=None, log_interval=2, progress_bar=False,
+        verbose=False,
+    )
+    summary = trainer.fit()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"batches": trainer.state.timestamp.batch, "status": summary["status"],
+                   "nonfinite": summary.get("nonfinite_loss")}, f)
+    """
+)
+
+
+def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    script = tmp_path / "nan_script.py"
+    script.write_text(NAN_ON_ONE_RANK)
+    result = _torchrun(str(script), str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["status"] == r1["status"] == "diverged"
+    assert r0["batches"] == r1["batches"] == 4  # the check at the log interval after step 3
+    assert r1["nonfinite"]["first_step"] == 3 and r1["nonfinite"]["first_value"] == "nan"
+    assert r0["nonfinite"]["first_step"] == 4  # the interval's last step: rank 0 saw no NaN itself

@@ -12,6 +12,8 @@ callable with pluggy's semantics for what is registered then:
 - only plain implementations (no ``wrapper``/``hookwrapper``): a closure that calls
   them in pluggy's order (last registered, ``tryfirst`` first), with the arguments
   each declares, stopping at the first non-None result of a ``firstresult`` hook;
+  the lone implementation of a ``firstresult`` hook is returned itself (a step only
+  the engine's default performs costs one plain call);
 - any wrapper, or a plugin manager with tracing or call monitoring on: pluggy's own
   caller, unchanged.
 
@@ -36,6 +38,18 @@ def _noop(**_: Any) -> None:
     return None
 
 
+def _keyword_call(impl: Any, spec_args: frozenset[str]) -> Callable[..., Any]:
+    """``impl``'s function, callable with the hook's keyword arguments."""
+    function, argnames = impl.function, impl.argnames
+    if frozenset(argnames) == spec_args:
+        return function  # it declares every argument: the keywords go straight in
+
+    def some(**kwargs: Any) -> Any:  # it declares fewer, as pluggy allows
+        return function(*[kwargs[a] for a in argnames])
+
+    return some
+
+
 def bind(pm: pluggy.PluginManager, name: str) -> Callable[..., Any]:
     """The callable for hook ``name`` as ``pm`` stands now (see the module doc)."""
     caller = getattr(pm.hook, name)
@@ -43,25 +57,36 @@ def bind(pm: pluggy.PluginManager, name: str) -> Callable[..., Any]:
     if not impls:
         return _noop
     monitored = getattr(pm, "_inner_hookexec", None) is not _PLAIN
-    if monitored or any(i.wrapper or i.hookwrapper or i.kwargnames for i in impls):
+    if monitored or caller.spec is None or any(i.wrapper or i.hookwrapper or i.kwargnames for i in impls):
         return caller
-    firstresult = bool(caller.spec and caller.spec.opts.get("firstresult"))
-    calls = [(i.function, i.argnames) for i in reversed(impls)]  # pluggy's call order
-    if firstresult:
+    spec_args = frozenset(caller.spec.argnames)
+    calls = [_keyword_call(i, spec_args) for i in reversed(impls)]  # pluggy's call order
+    if caller.spec.opts.get("firstresult"):
+        if len(calls) == 1:
+            return calls[0]  # the one result, or None: what pluggy returns
 
         def first(**kwargs: Any) -> Any:
-            for function, argnames in calls:
-                result = function(*[kwargs[a] for a in argnames])
+            for call in calls:
+                result = call(**kwargs)
                 if result is not None:
                     return result
             return None
 
         return first
 
+    if len(calls) == 1:
+        (only,) = calls
+
+        def one(**kwargs: Any) -> list[Any]:
+            result = only(**kwargs)
+            return [] if result is None else [result]
+
+        return one
+
     def every(**kwargs: Any) -> list[Any]:
         results = []
-        for function, argnames in calls:
-            result = function(*[kwargs[a] for a in argnames])
+        for call in calls:
+            result = call(**kwargs)
             if result is not None:
                 results.append(result)
         return results

@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from ..hookspecs import hookimpl
 from ..interval import Interval
 from ..state import State
+from .losses import stack_losses
 
 ON_NONFINITE = ("stop", "warn")
 
@@ -67,33 +68,30 @@ class DivergenceMonitor:
         if state.stop_status == "diverged":
             return False
         if self._losses:
-            losses = torch.stack([loss.float().reshape(()) for loss in self._losses])
+            # The one sync per interval: a few floats read to the host, where checking
+            # them costs less than launching kernels to check them on the device.
+            values = stack_losses(self._losses).tolist()
             steps, self._losses, self._steps = self._steps, [], []
-            bad = ~torch.isfinite(losses)
-            count = bad.sum()
+            bad = [i for i, value in enumerate(values) if not math.isfinite(value)]
+            any_bad = bool(bad)
             if dist.is_available() and dist.is_initialized() and state.world_size > 1:
                 # Every rank must stop at the same batch, or the next collective hangs.
-                flag = count.reshape(1).to(torch.int64)
+                flag = torch.tensor([len(bad)], dtype=torch.int64, device=state.device)
                 dist.all_reduce(flag)
                 any_bad = int(flag.item()) > 0
-            else:
-                any_bad = bool(count.item())  # the one sync per interval
             if any_bad:
-                self._report(state, losses, bad, steps)
+                self._report(state, values, bad, steps)
         return state.stop_status != "diverged"
 
-    def _report(
-        self, state: State, losses: torch.Tensor, bad: torch.Tensor, steps: list[int]
-    ) -> None:
-        local = bad.nonzero().flatten().tolist()
-        if not local:  # another rank saw it
+    def _report(self, state: State, losses: list[float], bad: list[int], steps: list[int]) -> None:
+        if not bad:  # another rank saw it
             first_step, value = steps[-1], "nan"
             where = "on another rank"
         else:
-            first_step, value = steps[local[0]], _number_text(losses[local[0]].item())
+            first_step, value = steps[bad[0]], _number_text(losses[bad[0]])
             where = ""
         first = self.nonfinite_steps == 0
-        self.nonfinite_steps += max(len(local), 1)
+        self.nonfinite_steps += max(len(bad), 1)
         record = state.summary.setdefault(
             "nonfinite_loss", {"first_step": first_step, "first_value": value}
         )

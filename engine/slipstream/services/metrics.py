@@ -23,6 +23,7 @@ from ..hookspecs import hookimpl
 from ..interval import Interval
 from ..rundir import METRICS, atomic_write_text, strict_json
 from ..state import State
+from .losses import stack_losses
 from .utilization import Utilization
 
 # Per-batch losses kept as references before they are summed into one tensor.
@@ -105,7 +106,7 @@ class MetricsLogger:
         """(sum, count) of the losses since the last record; no device sync."""
         total = self._folded
         if self._losses:
-            part = torch.stack([loss.float().reshape(()) for loss in self._losses]).sum()
+            part = stack_losses(self._losses).sum()
             count = len(self._losses)
             total = (part, count) if total is None else (total[0] + part, total[1] + count)
         return total
@@ -119,7 +120,7 @@ class MetricsLogger:
         total = self._loss_total()
         if total is None:
             return
-        loss = (total[0] / total[1]).item()  # the one sync per interval
+        loss = total[0].item() / total[1]  # the one sync per interval
         now = state.tick()  # after the sync, so the interval holds the device's work
         seconds = max(now - self._time_at_last, 1e-9)
         samples = state.timestamp.samples - self._samples_at_last
@@ -173,7 +174,8 @@ class MetricsLogger:
             return
         line = strict_json(record)
         self._file.write(line + "\n")
-        if self.hooks is not None:
+        # Parsed back only when a logger listens (it sees what the file holds).
+        if self.hooks is not None and self.hooks.log_metrics.get_hookimpls():
             self.hooks.log_metrics(state=state, record=json.loads(line))
 
     @hookimpl
