@@ -1,6 +1,7 @@
 """What each bundled callback costs: the import of its module (what `slipstream
 callbacks` pays), the import of its library (paid at `init` by a run that enables
-it), and the time per metrics record in `log_metrics` (and `fit_end`) in a tiny run.
+it), and in a tiny run the time of its `fit_start` (where a tracker starts its run:
+`wandb.init`, an MLflow run), per metrics record in `log_metrics`, and of `fit_end`.
 
     .venv/bin/python benchmarks/callback_cost.py [--records 40]
 
@@ -31,6 +32,7 @@ CALLBACKS = {
 IMPORT = """
 import importlib, json, sys, time
 import slipstream
+slipstream.Trainer  # slipstream's exports are lazy: this imports the engine and torch
 out = {}
 for key, name in (("module", sys.argv[1]), ("library", sys.argv[2])):
     if name == "-":
@@ -51,7 +53,8 @@ def import_cost(module: str, library: str | None) -> dict[str, float]:
 
 
 def run_cost(name: str, records: int) -> dict[str, float]:
-    """Seconds per log_metrics call and for fit_end, in a run of ``records`` train records."""
+    """Seconds for fit_start, per log_metrics call and for fit_end, in a run of
+    ``records`` train records."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import torch
 
@@ -60,8 +63,8 @@ def run_cost(name: str, records: int) -> dict[str, float]:
     from slipstream.plugins import CALLBACKS_GROUP, discover, instantiate
 
     (callback,) = instantiate({name: None}, discover(load=False, group=CALLBACKS_GROUP), CALLBACKS_GROUP)
-    spent = {"log_metrics": 0.0, "calls": 0, "fit_end": 0.0}
-    for hook in ("log_metrics", "fit_end"):
+    spent = {"fit_start": 0.0, "log_metrics": 0.0, "calls": 0, "fit_end": 0.0}
+    for hook in ("fit_start", "log_metrics", "fit_end"):
         original = getattr(callback, hook, None)
         if original is None:
             continue
@@ -92,7 +95,11 @@ def run_cost(name: str, records: int) -> dict[str, float]:
             progress_bar=False,
             verbose=False,
         ).fit()
-    return {"per_record_ms": 1000 * spent["log_metrics"] / max(spent["calls"], 1), "fit_end_s": spent["fit_end"]}
+    return {
+        "fit_start_s": spent["fit_start"],
+        "per_record_ms": 1000 * spent["log_metrics"] / max(spent["calls"], 1),
+        "fit_end_s": spent["fit_end"],
+    }
 
 
 def main() -> int:
@@ -101,13 +108,15 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="comma-separated callback names")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(CALLBACKS)
-    print(f"{'callback':<15} {'module s':>9} {'library s':>10} {'ms/record':>10} {'fit_end s':>10}")
+    print(
+        f"{'callback':<15} {'module s':>9} {'library s':>10} {'fit_start s':>12} {'ms/record':>10} {'fit_end s':>10}"
+    )
     for name in names:
         module, library = CALLBACKS[name]
         imports = import_cost(module, library)
         ran = run_cost(name, args.records)
         print(
-            f"{name:<15} {imports['module']:>9.3f} {imports['library']:>10.2f} "
+            f"{name:<15} {imports['module']:>9.3f} {imports['library']:>10.2f} {ran['fit_start_s']:>12.2f} "
             f"{ran['per_record_ms']:>10.2f} {ran['fit_end_s']:>10.2f}"
         )
     return 0
