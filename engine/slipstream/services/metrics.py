@@ -174,9 +174,14 @@ class MetricsLogger:
             return
         line = strict_json(record)
         self._file.write(line + "\n")
-        # Parsed back only when a logger listens (it sees what the file holds).
-        if self.hooks is not None and self.hooks.log_metrics.get_hookimpls():
+        if self.hooks is not None and self._listened_to():
             self.hooks.log_metrics(state=state, record=json.loads(line))
+
+    def _listened_to(self) -> bool:
+        # The line is parsed back (so a logger sees what the file holds) only when a
+        # logger implements log_metrics; a relay that is not pluggy's is always told.
+        implementations = getattr(self.hooks.log_metrics, "get_hookimpls", None)
+        return implementations is None or bool(implementations())
 
     @hookimpl
     def fit_end(self, state: State) -> None:
