@@ -10,9 +10,9 @@ import torch
 def stack_losses(losses: list[torch.Tensor]) -> torch.Tensor:
     """The losses as one float vector, on their device (no sync).
 
-    One ``stack`` for the common case (scalar losses of one dtype); a per-loss
-    reshape only when a loss function returned them otherwise (shape ``(1,)``, or
-    mixed dtypes under a precision plugin), which costs some microseconds a loss.
+    One ``stack`` (dtypes promote, so bf16 and fp32 losses mix); a per-loss reshape
+    only when their shapes differ (a loss function returning ``()`` for some batches
+    and ``(1,)`` for others), which costs some microseconds a loss.
     """
     try:
         return torch.stack(losses).float().reshape(len(losses))
