@@ -127,5 +127,6 @@ def main() -> None:
             f"{quartiles} {label}"
         )
 
+
 if __name__ == "__main__":
     main()
