@@ -6,7 +6,7 @@ from __future__ import annotations
 import pluggy
 import pytest
 
-from slipstream import hookimpl, hookspecs
+from slipstream import dispatch, hookimpl, hookspecs
 from slipstream.dispatch import bind
 
 
@@ -119,3 +119,30 @@ def test_a_step_with_one_implementation_is_called_directly_with_its_result():
         pm = manager(Recorder("only", calls, result))
         assert bind(pm, "should_step")(state=None) == pm.hook.should_step(state=None)
     assert calls == ["only"] * 6
+
+
+def test_a_plugin_idle_at_a_hook_is_left_out_of_it_and_pluggy_still_calls_it():
+    class Idle(Recorder):
+        def idle_hooks(self) -> frozenset[str]:
+            return frozenset({"batch_end"})
+
+    calls: list[str] = []
+    pm = manager(Idle("idle", calls), Recorder("busy", calls))
+    bind(pm, "batch_end")(state=None)
+    bind(pm, "should_step")(state=None)
+    assert calls == ["busy", "busy", "idle"]  # batch_end without "idle"; should_step with it
+    pm.hook.batch_end(state=None)  # pluggy's caller: idle means "does nothing", so harmless
+    assert calls[3:] == ["busy", "idle"]
+
+
+@pytest.mark.parametrize(
+    ("interval", "bound"), [(None, False), ("1ep", False), ("2ep", False), ("0.5ep", True), ("10ba", True)]
+)
+def test_checkpoints_and_evaluation_are_asked_at_batch_end_only_if_due_inside_an_epoch(
+    tmp_path, interval, bound
+):
+    from slipstream.services import Checkpointer, Evaluator
+
+    for service in (Checkpointer(tmp_path, lambda state: {}, interval), Evaluator(None, interval)):
+        pm = manager(service)
+        assert (bind(pm, "batch_end") is not dispatch._noop) is bound, type(service).__name__

@@ -142,8 +142,11 @@ def test_should_step_gates_the_optimizer_and_its_events(tmp_path):
 def test_unimplemented_hooks_are_bound_to_a_cheap_noop(tmp_path):
     trainer = train(tmp_path, [], max_duration="1ba", eval_interval=None)
     assert trainer.hooks.before_backward.__name__ == "_noop"
-    # Implemented ones are called directly (slipstream.dispatch), not through pluggy.
-    assert trainer.hooks.batch_end.__name__ == "every"
+    # Implemented ones are called directly (slipstream.dispatch), not through pluggy;
+    # with checkpoints and evaluation at whole epochs, only the metrics log acts at
+    # batch_end.
+    assert trainer.hooks.batch_end.__name__ == "one"
+    assert trainer.hooks.batch_end.__closure__[0].cell_contents == trainer.pm.get_plugin("engine.metrics").batch_end
     # A step only the engine performs is its default's method itself.
     assert trainer.hooks.forward == trainer.pm.get_plugin("engine.steps").forward
 
@@ -229,10 +232,10 @@ class LossRecorder(Algorithm):
 
 @pytest.mark.parametrize("fold", [256, 2])
 def test_the_logged_loss_is_the_mean_of_the_intervals_batches(tmp_path, monkeypatch, fold):
-    # fold=2 makes the logger sum its kept losses every 2 batches inside a 5-batch interval.
-    import slipstream.services.metrics as metrics
+    # fold=2 makes the keeper stack its losses every 2 batches inside a 5-batch interval.
+    import slipstream.services.losses as losses
 
-    monkeypatch.setattr(metrics, "FOLD", fold)
+    monkeypatch.setattr(losses, "FOLD", fold)
     recorder = LossRecorder()
     trainer = train(tmp_path, [recorder], max_duration="12ba", log_interval=5, eval_interval=None)
     records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,9 +1,12 @@
 """The per-batch losses the metrics log and the divergence check read as one vector."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from slipstream.services.losses import stack_losses
+from slipstream.services import losses as keeping
+from slipstream.services.losses import TrainLosses, stack_losses
 
 
 def test_scalar_losses_of_mixed_dtypes_become_one_float_vector():
@@ -21,3 +24,40 @@ def test_losses_of_shape_one_and_of_mixed_shapes_are_read_as_scalars():
 def test_a_loss_that_is_not_one_number_is_refused():
     with pytest.raises(RuntimeError):
         stack_losses([torch.ones(2), torch.ones(2)])
+
+
+class Batches:
+    """Just what TrainLosses reads of the state."""
+
+    def __init__(self) -> None:
+        self.timestamp = SimpleNamespace(batch=0)
+        self.loss: torch.Tensor | None = None
+
+    def step(self, keeper: TrainLosses, loss: float) -> None:
+        self.loss = torch.tensor(loss, requires_grad=True) * 1  # a graph, as in training
+        keeper.after_loss(self)
+        self.timestamp.batch += 1
+
+
+@pytest.mark.parametrize("fold", [256, 2])
+def test_every_read_is_inspected_with_its_steps_and_the_mean_covers_all_reads(monkeypatch, fold):
+    monkeypatch.setattr(keeping, "FOLD", fold)  # 2: stacked on the device every 2 batches
+    seen: list[tuple[list[float], list[int]]] = []
+    keeper = TrainLosses(inspector=lambda state, values, steps: seen.append((values, steps)))
+    state = Batches()
+    for value in (1.0, 2.0, 3.0):
+        state.step(keeper, value)
+    assert keeper.read(state) == [1.0, 2.0, 3.0]  # a checkpoint's read
+    for value in (5.0, 7.0, 9.0, 11.0, 13.0):
+        state.step(keeper, value)
+    # The log's read: its mean holds the earlier read's values too.
+    assert keeper.take_mean(state) == pytest.approx(51.0 / 8)
+    assert seen == [([1.0, 2.0, 3.0], [1, 2, 3]), ([5.0, 7.0, 9.0, 11.0, 13.0], [4, 5, 6, 7, 8])]
+    assert keeper.take_mean(state) is None and keeper.read(state) == []  # nothing new
+    assert len(seen) == 2  # an empty read syncs nothing and shows nothing
+
+
+def test_the_kept_losses_hold_no_graph():
+    keeper, state = TrainLosses(), Batches()
+    state.step(keeper, 1.0)
+    assert all(not kept.requires_grad for kept in keeper._kept)

@@ -178,6 +178,37 @@ def test_a_model_that_cannot_be_counted_still_trains(tmp_path: Path) -> None:
     assert trainer.summary["mfu"] is None and trainer.summary["flop_count_error"]
 
 
+def test_inputs_that_are_not_a_tensor_leave_mfu_unknown(tmp_path: Path) -> None:
+    # The per-batch tally compares each batch's shape with the last one's: inputs
+    # without a shape must reach the counter (which gives up), not pass as "the same".
+    class TakesAPair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3 * 16 * 16, 4)
+
+        def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return self.fc(pair[0].flatten(1))
+
+    x, y = next(iter(tiny_loaders()[0]))
+    batches = [((x, x), y)] * 4
+    model = TakesAPair()
+    trainer = Trainer(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+        train_data=batches,
+        max_duration="1ep",
+        run_dir=tmp_path / "run",
+        device="cpu",
+        eval_interval=None,
+        progress_bar=False,
+        verbose=False,
+        peak_tflops=1.0,
+    )
+    with pytest.warns(UserWarning, match="cannot count this model.s FLOPs.*TypeError: the inputs are a tuple"):
+        summary = trainer.fit()
+    assert summary["status"] == "completed" and summary["mfu"] is None
+
+
 # --------------------------------------------------------------------------- peak FLOP/s
 
 

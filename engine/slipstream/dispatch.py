@@ -17,6 +17,12 @@ callable with pluggy's semantics for what is registered then:
 - any wrapper, or a plugin manager with tracing or call monitoring on: pluggy's own
   caller, unchanged.
 
+A plugin may leave itself out of some hooks for the run: ``idle_hooks()``, when it
+has that method, names the hooks whose implementations would do nothing as the run
+is configured (the engine's checkpoint and evaluation services name ``batch_end``
+when their interval is whole epochs). The two fast paths above leave those
+implementations out; pluggy's caller still calls them, to no effect.
+
 Exceptions propagate as pluggy propagates them. A plugin registered after binding is
 not seen until the hooks are bound again (the trainer binds after ``init``, where
 plugins may register helpers).
@@ -38,6 +44,11 @@ def _noop(**_: Any) -> None:
     return None
 
 
+def _idle(plugin: object, name: str) -> bool:
+    idle_hooks = getattr(plugin, "idle_hooks", None)
+    return callable(idle_hooks) and name in idle_hooks()
+
+
 def _keyword_call(impl: Any, spec_args: frozenset[str]) -> Callable[..., Any]:
     """``impl``'s function, callable with the hook's keyword arguments."""
     function, argnames = impl.function, impl.argnames
@@ -53,7 +64,7 @@ def _keyword_call(impl: Any, spec_args: frozenset[str]) -> Callable[..., Any]:
 def bind(pm: pluggy.PluginManager, name: str) -> Callable[..., Any]:
     """The callable for hook ``name`` as ``pm`` stands now (see the module doc)."""
     caller = getattr(pm.hook, name)
-    impls = caller.get_hookimpls()
+    impls = [i for i in caller.get_hookimpls() if not _idle(i.plugin, name)]
     if not impls:
         return _noop
     monitored = getattr(pm, "_inner_hookexec", None) is not _PLAIN

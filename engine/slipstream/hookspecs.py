@@ -55,7 +55,8 @@ order given) last. So at every event, plain implementations run as:
     -> engine.evaluation (evaluates at batch_end/epoch_end when an interval is due)
     -> engine.metrics (writes the train/eval record to metrics.jsonl)
     -> engine.progress (the progress bar, rank 0 only)
-    -> engine.divergence (reads the interval's losses at batch_end when a record is due)
+    -> engine.losses (keeps each batch's loss at after_loss; the metrics record and
+       every checkpoint read them, and the divergence check looks at each value read)
     -> engine.checkpoint (saves at batch_end/epoch_end when due, and at fit_end)
     -> engine.summary (writes summary.json at fit_end and on exception)
     -> callbacks, in the order given (``--callbacks``, a recipe's ``callbacks:``)

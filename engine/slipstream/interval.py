@@ -78,6 +78,18 @@ class RunInterval:
     def enabled(self) -> bool:
         return self.every is not None
 
+    @property
+    def mid_epoch(self) -> bool:
+        """Whether a mark can fall inside an epoch, so ``batch_end`` must ask: every
+        interval but none and a whole number of epochs (those marks are epoch ends).
+
+        >>> [RunInterval(every).mid_epoch for every in (None, "2ep", "0.5ep", "100ba", "60s")]
+        [False, False, True, True, True]
+        """
+        return self.every is not None and not (
+            self.every.unit == "ep" and float(self.every.value).is_integer()
+        )
+
     def start(self, state: State) -> None:
         """Wait for the first mark after the run's current time (call at fit_start)."""
         if self.every is not None:

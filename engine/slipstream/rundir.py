@@ -311,8 +311,12 @@ def strict_json(value: dict[str, Any], **options: Any) -> str:
     >>> strict_json({"step": 3, "loss": float("nan")})
     '{"step": 3, "loss": null, "nonfinite": ["loss"]}'
     """
+    # default=str keeps odd values (a dtype, a path) readable instead of failing the write.
+    try:  # the common case, all finite: no walk over the record first
+        return json.dumps(value, allow_nan=False, default=str, **options)
+    except ValueError:
+        pass
     clean, bad = finite_json(value)
     if bad:
         clean["nonfinite"] = bad
-    # default=str keeps odd values (a dtype, a path) readable instead of failing the write.
     return json.dumps(clean, allow_nan=False, default=str, **options)

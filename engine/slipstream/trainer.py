@@ -60,6 +60,7 @@ from .services import (
 )
 from .services.batches import to_device
 from .services.divergence import DivergenceMonitor
+from .services.losses import TrainLosses
 from .services.target import check_target
 from .state import State, unwrap_model
 
@@ -291,7 +292,10 @@ class Trainer:
             write=write,
         )
         self.pm.register(self.summary_writer, name=SummaryWriter.name)
-        self.divergence = DivergenceMonitor(log_interval, self.on_nonfinite)
+        # The batches' losses, read by the metrics log and before each checkpoint;
+        # the divergence monitor looks at every read.
+        self.losses = TrainLosses()
+        self.divergence = DivergenceMonitor(self.losses, self.on_nonfinite)
         self.checkpointer = Checkpointer(
             self.run_dir,
             self._checkpoint_payload,
@@ -302,12 +306,17 @@ class Trainer:
             best_metric=self.options.best_metric,
         )
         self.pm.register(self.checkpointer, name=Checkpointer.name)
-        self.pm.register(self.divergence, name=DivergenceMonitor.name)
+        self.pm.register(self.losses, name=TrainLosses.name)
         if progress_bar and write:
             self.pm.register(ProgressBar(), name=ProgressBar.name)
         self.pm.register(
             MetricsLogger(
-                self.run_dir, log_interval, write=write, utilization=self.utilization, hooks=self.pm.hook
+                self.run_dir,
+                log_interval,
+                write=write,
+                utilization=self.utilization,
+                hooks=self.pm.hook,
+                losses=self.losses,
             ),
             name=MetricsLogger.name,
         )

@@ -93,6 +93,11 @@ class Checkpointer:
             if isinstance(saved, dict) and saved.get("metric") == self.best_metric:
                 self.best = saved
 
+    def idle_hooks(self) -> frozenset[str]:
+        """Left out of the bound hooks (:mod:`slipstream.dispatch`): ``batch_end``
+        when no checkpoint can fall inside an epoch."""
+        return frozenset() if self.interval.mid_epoch else frozenset({"batch_end"})
+
     @hookimpl
     def batch_end(self, state: State) -> None:
         if self.interval.due_at_batch_end(state):

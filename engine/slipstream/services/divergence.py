@@ -1,9 +1,10 @@
 """Stop (or warn) when the training loss stops being a finite number.
 
-Each step's loss stays on the device; the losses of an interval are read together
-at the logging interval, where the metrics log already waits for the device, and
-before every checkpoint, so the loop never syncs per step and a checkpoint is
-never written after an unnoticed NaN.
+Each step's loss stays on the device (:mod:`slipstream.services.losses` keeps it);
+the losses of an interval are read together at the logging interval, where the
+metrics log already waits for the device, and before every checkpoint, and this
+monitor looks at every value read: the loop never syncs per step, and a checkpoint
+is never written after an unnoticed NaN.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..hookspecs import hookimpl
-from ..interval import Interval
 from ..state import State
-from .losses import stack_losses
+from .losses import TrainLosses
 
 ON_NONFINITE = ("stop", "warn")
 
@@ -37,51 +36,38 @@ def _number_text(value: float) -> str:
 
 
 class DivergenceMonitor:
+    """Looks at every loss :class:`~slipstream.services.losses.TrainLosses` reads
+    (it is that keeper's inspector): the metrics log reads them every
+    ``log_interval`` batches, and :meth:`check` before every checkpoint."""
+
     name = "engine.divergence"
 
-    def __init__(self, log_interval: int = 20, on_nonfinite: str = "stop") -> None:
-        self.log_interval = log_interval
-        self._every = Interval(log_interval)
+    def __init__(self, losses: TrainLosses, on_nonfinite: str = "stop") -> None:
         self.on_nonfinite = check_on_nonfinite(on_nonfinite)
-        self._losses: list[torch.Tensor] = []
-        self._steps: list[int] = []
+        self.losses = losses
+        losses.inspector = self.inspect
         self.nonfinite_steps = 0
 
-    @hookimpl
-    def fit_start(self, state: State) -> None:
-        self._every = Interval.after(self.log_interval, state.timestamp.batch)
-
-    @hookimpl
-    def after_loss(self, state: State) -> None:
-        # A reference to the device scalar, nothing read: no sync here.
-        self._losses.append(state.loss.detach())
-        self._steps.append(state.timestamp.batch + 1)  # the step this batch completes
-
-    @hookimpl
-    def batch_end(self, state: State) -> None:
-        if self._every.due(state.timestamp.batch):
-            self.check(state)
-
     def check(self, state: State) -> bool:
-        """Read the losses since the last check; False when the run has diverged
+        """Read the losses since the last read; False when the run has diverged
         and must write no more checkpoints (always True with ``warn``)."""
-        if state.stop_status == "diverged":
-            return False
-        if self._losses:
-            # The one sync per interval: a few floats read to the host, where checking
-            # them costs less than launching kernels to check them on the device.
-            values = stack_losses(self._losses).tolist()
-            steps, self._losses, self._steps = self._steps, [], []
-            bad = [i for i, value in enumerate(values) if not math.isfinite(value)]
-            any_bad = bool(bad)
-            if dist.is_available() and dist.is_initialized() and state.world_size > 1:
-                # Every rank must stop at the same batch, or the next collective hangs.
-                flag = torch.tensor([len(bad)], dtype=torch.int64, device=state.device)
-                dist.all_reduce(flag)
-                any_bad = int(flag.item()) > 0
-            if any_bad:
-                self._report(state, values, bad, steps)
+        if state.stop_status != "diverged":
+            self.losses.read(state)
         return state.stop_status != "diverged"
+
+    def inspect(self, state: State, values: list[float], steps: list[int]) -> None:
+        """Stop or warn if a value is not finite (on any rank). Read on the host:
+        checking a few floats there costs less than launching kernels to check them
+        on the device, and the read was the sync anyway."""
+        bad = [i for i, value in enumerate(values) if not math.isfinite(value)]
+        any_bad = bool(bad)
+        if dist.is_available() and dist.is_initialized() and state.world_size > 1:
+            # Every rank must stop at the same batch, or the next collective hangs.
+            flag = torch.tensor([len(bad)], dtype=torch.int64, device=state.device)
+            dist.all_reduce(flag)
+            any_bad = int(flag.item()) > 0
+        if any_bad:
+            self._report(state, values, bad, steps)
 
     def _report(self, state: State, losses: list[float], bad: list[int], steps: list[int]) -> None:
         if not bad:  # another rank saw it

@@ -1,10 +1,26 @@
-"""The per-batch losses a service keeps between two reads: references to the
-device scalars, stacked into one vector when read, so the loop never waits for the
-device in between and a read costs one pass, not one per batch."""
+"""The training loss of every batch, kept for the services that report on it.
+
+Each batch's loss stays on the device as a reference (no sync); a read takes every
+loss kept since the last one to the host at once, where the divergence check looks
+at each value and the metrics log sums them. One keeper for both, so a batch pays
+for one ``after_loss`` and an interval for one device sync, whoever reads first.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from ..hookspecs import hookimpl
+from ..state import State
+
+# Losses kept as references before they are stacked into one vector (on the device,
+# no sync), so that a long interval holds few Python objects.
+FOLD = 256
+
+# Told the values of every read, with the step of each: ``(state, values, steps)``.
+Inspector = Callable[[State, list[float], list[int]], None]
 
 
 def stack_losses(losses: list[torch.Tensor]) -> torch.Tensor:
@@ -18,3 +34,56 @@ def stack_losses(losses: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(losses).float().reshape(len(losses))
     except RuntimeError:
         return torch.stack([loss.float().reshape(()) for loss in losses])
+
+
+class TrainLosses:
+    """Keeps each batch's loss; :meth:`read` brings them to the host.
+
+    Every read is shown to the ``inspector`` (the divergence check) before anyone
+    uses the values, so no reader can consume a NaN unnoticed. :meth:`take_mean`
+    is the metrics log's view: the mean of everything read since it last asked.
+    """
+
+    name = "engine.losses"
+
+    def __init__(self, inspector: Inspector | None = None) -> None:
+        self.inspector = inspector
+        self._kept: list[torch.Tensor] = []
+        self._stacked: list[torch.Tensor] = []  # vectors of FOLD losses, oldest first
+        self._sum = 0.0
+        self._count = 0
+
+    @hookimpl
+    def after_loss(self, state: State) -> None:
+        kept = self._kept
+        kept.append(state.loss.detach())
+        if len(kept) >= FOLD:
+            self._stacked.append(stack_losses(kept))
+            self._kept = []
+
+    def read(self, state: State) -> list[float]:
+        """The losses kept since the last read, as floats (one device sync; none when
+        nothing is kept). Called at ``batch_end`` or later, so they are the losses of
+        the steps up to ``state.timestamp.batch``."""
+        parts = self._stacked
+        if self._kept:
+            parts.append(stack_losses(self._kept))
+        if not parts:
+            return []
+        values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        self._kept, self._stacked = [], []
+        self._sum += sum(values)
+        self._count += len(values)
+        if self.inspector is not None:
+            last = state.timestamp.batch
+            self.inspector(state, values, list(range(last - len(values) + 1, last + 1)))
+        return values
+
+    def take_mean(self, state: State) -> float | None:
+        """The mean loss of the steps since the last call (None: no step since)."""
+        self.read(state)
+        if not self._count:
+            return None
+        mean = self._sum / self._count
+        self._sum, self._count = 0.0, 0
+        return mean

@@ -1,6 +1,7 @@
 """``metrics.jsonl``: one train record per logging interval, one eval record per
-evaluation. The loss is summed on the device and read once per interval, so the
-loop never waits for the device in between.
+evaluation. The loss of each batch is kept on the device (by
+:class:`~slipstream.services.losses.TrainLosses`) and read once per interval, so
+the loop never waits for the device in between.
 
 Records are strict JSON: a NaN or infinite value is written as null and named in
 the record's ``"nonfinite"`` list. A resumed run first drops the records past the
@@ -23,11 +24,8 @@ from ..hookspecs import hookimpl
 from ..interval import Interval
 from ..rundir import METRICS, atomic_write_text, strict_json
 from ..state import State
-from .losses import stack_losses
+from .losses import TrainLosses
 from .utilization import Utilization
-
-# Per-batch losses kept as references before they are summed into one tensor.
-FOLD = 256
 
 
 def _scalar(value: Any) -> Any:
@@ -65,7 +63,9 @@ class MetricsLogger:
         write: bool = True,
         utilization: Utilization | None = None,
         hooks: Any = None,
+        losses: TrainLosses | None = None,
     ) -> None:
+        """``losses``: the keeper of the batches' losses (None: records have no loss)."""
         self.path = Path(run_dir) / METRICS if run_dir is not None and write else None
         # The plugin manager's hook relay, for log_metrics (None: nobody is told).
         self.hooks = hooks
@@ -74,8 +74,7 @@ class MetricsLogger:
         self.utilization = utilization
         self._flops_at_last: float | None = 0.0
         self._file: Any = None
-        self._losses: list[torch.Tensor] = []
-        self._folded: tuple[torch.Tensor, int] | None = None  # (sum, count) of older losses
+        self.losses = losses
         self._samples_at_last = 0
         self._time_at_last = 0.0
         self._eval_started: float | None = None
@@ -94,33 +93,14 @@ class MetricsLogger:
         self._flops_at_last = self._flops()
 
     @hookimpl
-    def after_loss(self, state: State) -> None:
-        # A reference to the device scalar: no arithmetic per step, one sum per interval
-        # (folded every FOLD batches, so a long log interval holds few references).
-        self._losses.append(state.loss.detach())
-        if len(self._losses) >= FOLD:
-            self._folded = self._loss_total()
-            self._losses = []
-
-    def _loss_total(self) -> tuple[torch.Tensor, int] | None:
-        """(sum, count) of the losses since the last record; no device sync."""
-        total = self._folded
-        if self._losses:
-            part = stack_losses(self._losses).sum()
-            count = len(self._losses)
-            total = (part, count) if total is None else (total[0] + part, total[1] + count)
-        return total
-
-    @hookimpl
     def batch_end(self, state: State) -> None:
         if self._every.due(state.timestamp.batch) or state.is_done():
             self.log_train(state)
 
     def log_train(self, state: State) -> None:
-        total = self._loss_total()
-        if total is None:
+        loss = self.losses.take_mean(state) if self.losses is not None else None  # the one sync
+        if loss is None:
             return
-        loss = total[0].item() / total[1]  # the one sync per interval
         now = state.tick()  # after the sync, so the interval holds the device's work
         seconds = max(now - self._time_at_last, 1e-9)
         samples = state.timestamp.samples - self._samples_at_last
@@ -141,7 +121,6 @@ class MetricsLogger:
         record.update({key: _scalar(value) for key, value in state.metrics.items()})
         self._write(state, {k: _scalar(v) for k, v in record.items()})
         self._last["train"] = record
-        self._losses, self._folded = [], None
         self._samples_at_last, self._time_at_last = state.timestamp.samples, state.tick()
         self._flops_at_last = flops
 

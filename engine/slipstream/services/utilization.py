@@ -26,6 +26,8 @@ from ..memory import PeakMemory
 from ..peak_flops import Peak, dtype_name, peak_flops, raise_peak
 from ..state import State
 
+_UNSEEN = object()  # equal to no shape
+
 
 class Utilization:
     name = "engine.utilization"
@@ -43,6 +45,8 @@ class Utilization:
         # since a partial count would understate MFU.
         self.flops: float | None = 0.0
         self.per_sample: dict[torch.Size, float] = {}
+        self._last_shape: Any = _UNSEEN  # the last batch's shape, and its FLOPs
+        self._last_flops = 0.0
         self.count_s = 0.0
         self.error: str | None = None
 
@@ -74,13 +78,18 @@ class Utilization:
         if self.flops is None:
             return
         inputs = state.batch[0]
+        shape = getattr(inputs, "shape", None)
+        if shape == self._last_shape:  # most batches: the same size as the one before
+            self.flops += self._last_flops
+            return
         try:
-            per_sample = self.per_sample[inputs.shape[1:]]
-        except (KeyError, AttributeError):
+            per_sample = self.per_sample[shape[1:]]
+        except (KeyError, TypeError):
             per_sample = self._count(state, inputs)
             if per_sample is None:
                 return
-        self.flops += per_sample * inputs.shape[0]
+        self._last_shape, self._last_flops = shape, per_sample * shape[0]
+        self.flops += self._last_flops
 
     def _count(self, state: State, inputs: Any) -> float | None:
         started = time.perf_counter()
