@@ -5,6 +5,8 @@ process, repetitions interleaved; the hand-written loop is 1.00.
     hand-written loop      for x, y in loader: loss = ...; backward; step; zero_grad
     Trainer bare           no progress bar, no evaluation, no checkpoints
     Trainer + progress bar the same with the tqdm bar drawing (to /dev/null)
+    Trainer, no services   (--breakdown) bare without the engine's per-batch services:
+                           what is left is the loop itself (hooks, batch move, counters)
 
 The Trainer runs as users get it otherwise: metrics at the default interval (one
 device sync each), MFU counting, the hook bus. Goal: both Trainer rows at most 1.02.
@@ -15,6 +17,7 @@ Trainer variants and divides by their mean: a ratio per repetition, of which the
 median (and the quartiles, the spread to trust) is reported.
 
     .venv/bin/python benchmarks/bench_overhead.py [--threads 1] [--steps 1000] [--repeats 11]
+    .venv/bin/python benchmarks/bench_overhead.py --breakdown   # + the loop without its services
     .venv/bin/python benchmarks/bench_overhead.py --quick
 """
 
@@ -64,7 +67,13 @@ def hand_written(data: DataLoader, warmup: int) -> float:
     return per_step(times, warmup)
 
 
-def with_trainer(data: DataLoader, warmup: int, progress_bar: bool) -> float:
+# The engine services that act every batch (MFU tally, loss keeping, the metrics log's
+# interval check) and those bound only when due inside an epoch: --breakdown runs the
+# Trainer without them, to show what the services cost and what the loop itself costs.
+PER_BATCH_SERVICES = ("engine.utilization", "engine.losses", "engine.metrics", "engine.checkpoint", "engine.evaluation")
+
+
+def with_trainer(data: DataLoader, warmup: int, progress_bar: bool, without: tuple[str, ...] = ()) -> float:
     model, optimizer = mlp()
     clock = StepClock()
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as sink:
@@ -83,6 +92,8 @@ def with_trainer(data: DataLoader, warmup: int, progress_bar: bool) -> float:
         )
         if progress_bar:
             trainer.pm.get_plugin("engine.progress").file = sink
+        for name in without:
+            trainer.pm.unregister(name=name)
         trainer.fit()
     return per_step(clock.times, warmup)
 
@@ -90,6 +101,7 @@ def with_trainer(data: DataLoader, warmup: int, progress_bar: bool) -> float:
 def main() -> None:
     p = parser(__doc__)
     p.set_defaults(threads=1, steps=1000, warmup=50, repeats=11)
+    p.add_argument("--breakdown", action="store_true", help="also the Trainer without its per-batch services")
     args = p.parse_args()
     if args.quick:
         args.steps, args.warmup, args.repeats = 300, 30, 3
@@ -100,6 +112,10 @@ def main() -> None:
         "Trainer bare": lambda: with_trainer(data, args.warmup, progress_bar=False),
         "Trainer + progress bar": lambda: with_trainer(data, args.warmup, progress_bar=True),
     }
+    if args.breakdown:
+        variants["Trainer, no services"] = lambda: with_trainer(
+            data, args.warmup, progress_bar=False, without=PER_BATCH_SERVICES
+        )
     step_s: dict[str, list[float]] = {name: [] for name in variants}
     ratios: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeats):
@@ -117,15 +133,12 @@ def main() -> None:
         f"{args.repeats} repetitions (the loop before and after the Trainer runs), "
         f"{args.threads} thread(s)"
     )
-    print(f"{'variant':<24} {'us/step':>9} {'ratio':>7}   quartiles of the ratio")
+    print(f"{'variant':<26} {'us/step':>9} {'ratio':>7}   quartiles of the ratio")
     for name, times in step_s.items():
         r = sorted(ratios[name])
         quartiles = f"{r[len(r) // 4]:.3f} - {r[(3 * len(r)) // 4]:.3f}"
         label = "(after/before)" if name == "hand-written loop" else ""
-        print(
-            f"{name:<24} {1e6 * statistics.median(times):>9.1f} {statistics.median(r):>7.3f}   "
-            f"{quartiles} {label}"
-        )
+        print(f"{name:<26} {1e6 * statistics.median(times):>9.1f} {statistics.median(r):>7.3f}   {quartiles} {label}")
 
 
 if __name__ == "__main__":
