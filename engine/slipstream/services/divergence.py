@@ -38,9 +38,8 @@ def _number_text(value: float) -> str:
 class DivergenceMonitor:
     """Looks at every loss :class:`~slipstream.services.losses.TrainLosses` reads
     (it is that keeper's inspector): the metrics log reads them every
-    ``log_interval`` batches, and :meth:`check` before every checkpoint."""
-
-    name = "engine.divergence"
+    ``log_interval`` batches, and :meth:`check` before every checkpoint. Not a
+    plugin: it has nothing to do at any event."""
 
     def __init__(self, losses: TrainLosses, on_nonfinite: str = "stop") -> None:
         self.on_nonfinite = check_on_nonfinite(on_nonfinite)

@@ -65,7 +65,8 @@ class MetricsLogger:
         hooks: Any = None,
         losses: TrainLosses | None = None,
     ) -> None:
-        """``losses``: the keeper of the batches' losses (None: records have no loss)."""
+        """``losses``: the keeper of the batches' losses (None: no train records, only
+        eval ones)."""
         self.path = Path(run_dir) / METRICS if run_dir is not None and write else None
         # The plugin manager's hook relay, for log_metrics (None: nobody is told).
         self.hooks = hooks
