@@ -13,13 +13,7 @@ def to_device(batch: Any, device: torch.device) -> Any:
             return batch
         return batch.to(device, non_blocking=device.type == "cuda")
     if isinstance(batch, (list, tuple)):
-        # Tensors already there (every batch of a CPU run) without a call each.
-        return tuple(
-            [
-                item if isinstance(item, torch.Tensor) and item.device == device else to_device(item, device)
-                for item in batch
-            ]
-        )
+        return tuple([to_device(item, device) for item in batch])
     if isinstance(batch, dict):
         return {key: to_device(value, device) for key, value in batch.items()}
     return batch

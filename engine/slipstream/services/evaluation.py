@@ -47,7 +47,7 @@ class Evaluator:
     @hookimpl
     def batch_end(self, state: State) -> None:
         # The last batch is evaluated by fit_end, once.
-        if self.interval.enabled and not state.is_done() and self.interval.due_at_batch_end(state):
+        if not state.is_done() and self.interval.due_at_batch_end(state):
             self.evaluate(state)
 
     @hookimpl
