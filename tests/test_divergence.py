@@ -7,12 +7,15 @@ import re
 import subprocess
 import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from helpers import Probe, train
 from slipstream import ConfigError, load_checkpoint
+from slipstream.services.divergence import DivergenceMonitor
+from slipstream.services.losses import TrainLosses
 
 
 def strict_loads(text):
@@ -126,3 +129,22 @@ def test_the_cli_reports_a_learning_rate_of_1e12_as_diverged(tmp_path):
     records(run_dir)  # strict JSON, line by line
     latest = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
     assert finite(latest) and latest["timestamp"]["batch"] < summary["batches"]
+
+
+@pytest.mark.parametrize(
+    "values, diverged",
+    [
+        ([1.0, 2.0], False),
+        ([1e308, 1e308], False),  # finite values whose sum overflows: not a divergence
+        ([1.0, float("nan")], True),
+        ([float("inf"), float("-inf")], True),  # their sum is nan
+        ([float("-inf"), 1.0], True),
+    ],
+)
+def test_the_check_flags_exactly_the_non_finite_values(values, diverged):
+    state = SimpleNamespace(world_size=1, summary={}, stop_status=None)
+    reported = []
+    monitor = DivergenceMonitor(TrainLosses())
+    monitor._report = lambda state, values, bad, steps: reported.append(bad)
+    monitor.inspect(state, values, [1, 2])
+    assert reported == ([[i for i, v in enumerate(values) if not math.isfinite(v)]] if diverged else [])

@@ -61,3 +61,13 @@ def test_the_kept_losses_hold_no_graph():
     keeper, state = TrainLosses(), Batches()
     state.step(keeper, 1.0)
     assert all(not kept.requires_grad for kept in keeper._kept)
+
+
+def test_host_values_reads_scalar_losses_and_falls_back_for_other_shapes():
+    assert keeping.host_values([torch.tensor(1.5), torch.tensor(2.0)]) == [1.5, 2.0]
+    assert keeping.host_values([torch.tensor(1.5, dtype=torch.bfloat16), torch.tensor(2.0)]) == [1.5, 2.0]
+    assert keeping.host_values([torch.tensor([1.0]), torch.tensor([2.0])]) == [1.0, 2.0]  # (1,)-shaped
+    assert keeping.host_values([torch.tensor(1.0), torch.tensor([2.0])]) == [1.0, 2.0]  # mixed shapes
+    assert keeping.host_values([torch.tensor(3), torch.tensor(4)]) == [3.0, 4.0]  # integers become floats
+    with pytest.raises(RuntimeError):
+        keeping.host_values([torch.ones(2), torch.ones(2)])

@@ -58,7 +58,7 @@ from .services import (
     TargetAccuracy,
     Utilization,
 )
-from .services.batches import to_device
+from .services.batches import batch_mover
 from .services.divergence import DivergenceMonitor
 from .services.losses import TrainLosses
 from .services.target import check_target
@@ -214,6 +214,7 @@ class Trainer:
             progress_bar=progress_bar,
         )
         self._hooks = SimpleNamespace()
+        self._to_device = batch_mover(self.device)
 
     # -- set-up ------------------------------------------------------------------
 
@@ -302,24 +303,22 @@ class Trainer:
             checkpoint_interval,
             checkpoint_keep,
             write=write,
-            guard=self.divergence.check,
+            guard=self._before_checkpoint,
             best_metric=self.options.best_metric,
         )
         self.pm.register(self.checkpointer, name=Checkpointer.name)
         self.pm.register(self.losses, name=TrainLosses.name)
         if progress_bar and write:
             self.pm.register(ProgressBar(), name=ProgressBar.name)
-        self.pm.register(
-            MetricsLogger(
-                self.run_dir,
-                log_interval,
-                write=write,
-                utilization=self.utilization,
-                hooks=self.pm.hook,
-                losses=self.losses,
-            ),
-            name=MetricsLogger.name,
+        self.metrics_log = MetricsLogger(
+            self.run_dir,
+            log_interval,
+            write=write,
+            utilization=self.utilization,
+            hooks=self.pm.hook,
+            losses=self.losses,
         )
+        self.pm.register(self.metrics_log, name=MetricsLogger.name)
         # On every rank (not only the writer), so that all ranks' clocks leave out
         # the same counting time and a target stops them all at the same batch.
         self.pm.register(self.utilization, name=Utilization.name)
@@ -335,6 +334,13 @@ class Trainer:
         for algo in reversed(self.algorithms):
             self.pm.register(algo, name=algo.name)
         self._check_hooks()
+
+    def _before_checkpoint(self, state: State) -> bool:
+        """The checkpoint service's guard: the metrics log written as far as the
+        checkpoint reaches (so a resume from it finds every record before it), then
+        the divergence check, whose False means write no checkpoint."""
+        self.metrics_log.flush()
+        return self.divergence.check(state)
 
     def _check_hooks(self) -> None:
         check_hook_names(self.pm)
@@ -439,7 +445,7 @@ class Trainer:
 
     def _train_batch(self, batch: Any) -> None:
         state, h, ts = self.state, self._hooks, self.state.timestamp
-        state.batch = to_device(batch, self.device)
+        state.batch = self._to_device(batch)
         inputs = state.batch[0]
         samples = (inputs.shape[0] if isinstance(inputs, torch.Tensor) else len(inputs)) * state.world_size
         h.batch_start(state=state)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor on ``device``; lists and tuples become tuples."""
     if isinstance(batch, torch.Tensor):
         if batch.device == device:  # no `to`: its dispatch costs a step of a tiny model 1 %
             return batch
@@ -17,3 +19,28 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {key: to_device(value, device) for key, value in batch.items()}
     return batch
+
+
+def batch_mover(device: torch.device) -> Callable[[Any], Any]:
+    """:func:`to_device` for one ``device``, as the loop calls it every batch.
+
+    On CPU, a list or tuple of plain CPU tensors (what a DataLoader yields) is
+    recognised with one ``is_cpu`` per tensor and becomes a tuple as it is: between
+    the steps of a small model each torch attribute read costs microseconds (reading
+    ``tensor.device`` and ``device.type`` made the general path 5 us, 0.5 % of a
+    1 ms step). Anything else takes the general path.
+    """
+    if device.type != "cpu":
+        return lambda batch: to_device(batch, device)
+    tensor = torch.Tensor
+
+    def on_cpu(batch: Any) -> Any:
+        if type(batch) is tuple or type(batch) is list:
+            for item in batch:
+                if type(item) is not tensor or not item.is_cpu:
+                    break
+            else:
+                return tuple(batch)
+        return to_device(batch, device)
+
+    return on_cpu

@@ -36,6 +36,20 @@ def stack_losses(losses: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack([loss.float().reshape(()) for loss in losses])
 
 
+def host_values(losses: list[torch.Tensor]) -> list[float]:
+    """The losses as floats on the host: one ``stack`` and one copy when every loss
+    is a single number of one shape (the usual case, read at every logging
+    interval), else through :func:`stack_losses`. Each torch call costs microseconds
+    in a loop of small steps, so the usual case makes two, not four."""
+    try:
+        values = torch.stack(losses).tolist()
+    except RuntimeError:  # shapes differ
+        values = None
+    if values is None or type(values[0]) is not float:  # (1,)-shaped or mixed losses
+        return stack_losses(losses).tolist()
+    return values
+
+
 class TrainLosses:
     """Keeps each batch's loss; :meth:`read` brings them to the host.
 
@@ -65,12 +79,14 @@ class TrainLosses:
         """The losses kept since the last read, as floats (one device sync; none when
         nothing is kept). Called at ``batch_end`` or later, so they are the losses of
         the steps up to ``state.timestamp.batch``."""
-        parts = self._stacked
-        if self._kept:
-            parts.append(stack_losses(self._kept))
-        if not parts:
+        if self._stacked:
+            if self._kept:
+                self._stacked.append(stack_losses(self._kept))
+            values = torch.cat(self._stacked).tolist()
+        elif self._kept:
+            values = host_values(self._kept)
+        else:
             return []
-        values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
         self._kept, self._stacked = [], []
         self._sum += sum(values)
         self._count += len(values)

@@ -10,11 +10,20 @@ second of training: the run's clock, with evaluation taken out.
 
 Each record written is handed to the ``log_metrics`` hook as the line parsed back,
 so every logger plugin sees exactly what the file holds.
+
+Records are made at their interval but serialised and written together, at most
+every ``flush_s`` seconds (1 by default) and always before an evaluation's record,
+a checkpoint, the end of the run or its failure: on a loop of millisecond steps,
+formatting and writing a line every 20 batches cost 1 % of the step, written by
+the second it costs nothing measurable. So a reader following the file is at most
+a second behind, and a process killed outright loses at most that second of train
+records, never one before a checkpoint it wrote.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +35,9 @@ from ..rundir import METRICS, atomic_write_text, strict_json
 from ..state import State
 from .losses import TrainLosses
 from .utilization import Utilization
+
+# Seconds a record made at its interval may wait to be written with the next ones.
+FLUSH_S = 1.0
 
 
 def _scalar(value: Any) -> Any:
@@ -64,9 +76,11 @@ class MetricsLogger:
         utilization: Utilization | None = None,
         hooks: Any = None,
         losses: TrainLosses | None = None,
+        flush_s: float | None = None,
     ) -> None:
         """``losses``: the keeper of the batches' losses (None: no train records, only
-        eval ones)."""
+        eval ones). ``flush_s``: the longest a made record waits to be written (0:
+        each is written when made; None: :data:`FLUSH_S`)."""
         self.path = Path(run_dir) / METRICS if run_dir is not None and write else None
         # The plugin manager's hook relay, for log_metrics (None: nobody is told).
         self.hooks = hooks
@@ -79,6 +93,11 @@ class MetricsLogger:
         self._samples_at_last = 0
         self._time_at_last = 0.0
         self._eval_started: float | None = None
+        self.flush_s = FLUSH_S if flush_s is None else flush_s
+        self._pending: list[dict[str, Any]] = []
+        self._state: State | None = None  # the run's, for log_metrics at a flush
+        self._flush_at = 0.0
+        self._listened = True
 
     @hookimpl
     def fit_start(self, state: State) -> None:
@@ -88,6 +107,9 @@ class MetricsLogger:
             if self.path.is_file():  # a resumed run: its log continues from here
                 truncate_log(self.path, state.timestamp.batch)
             self._file = self.path.open("a", buffering=1)
+        # Asked once: a logger registers at init at the latest.
+        self._listened = self.hooks is not None and self._listened_to()
+        self._flush_at = time.monotonic() + self.flush_s
         self._every = Interval.after(self.log_interval, state.timestamp.batch)
         self._samples_at_last = state.timestamp.samples
         self._time_at_last = state.tick()
@@ -114,13 +136,14 @@ class MetricsLogger:
             "epoch": state.timestamp.epoch,
             "elapsed_s": round(now, 4),
             "loss": loss,
-            "lr": state.optimizer.param_groups[0]["lr"],
+            "lr": _scalar(state.optimizer.param_groups[0]["lr"]),
             "image_size": list(inputs.shape[-2:]) if isinstance(inputs, torch.Tensor) else None,
             "samples_per_s": samples / seconds,
             "mfu": self.utilization.mfu(state, done, seconds) if self.utilization else None,
         }
-        record.update({key: _scalar(value) for key, value in state.metrics.items()})
-        self._write(state, {k: _scalar(v) for k, v in record.items()})
+        if state.metrics:
+            record.update({key: _scalar(value) for key, value in state.metrics.items()})
+        self._write(state, dict(record))  # its own copy: the file gets what was made now
         self._last["train"] = record
         self._samples_at_last, self._time_at_last = state.timestamp.samples, state.tick()
         self._flops_at_last = flops
@@ -141,7 +164,7 @@ class MetricsLogger:
             "elapsed_s": round(state.tick(), 4),
             **state.eval_metrics,
         }
-        self._write(state, {k: _scalar(v) for k, v in record.items()})
+        self._write(state, {k: _scalar(v) for k, v in record.items()}, now=True)
         self._last["eval"] = record
         # Evaluation time is not training throughput: take it out of the interval
         # (the interval's samples are kept, so the rate stays per training second).
@@ -149,13 +172,26 @@ class MetricsLogger:
             self._time_at_last += state.tick() - self._eval_started
             self._eval_started = None
 
-    def _write(self, state: State, record: dict[str, Any]) -> None:
+    def _write(self, state: State, record: dict[str, Any], *, now: bool = False) -> None:
+        """Keep ``record`` for the next flush; flush when one is due or ``now``."""
         if self._file is None:
             return
-        line = strict_json(record)
-        self._file.write(line + "\n")
-        if self.hooks is not None and self._listened_to():
-            self.hooks.log_metrics(state=state, record=json.loads(line))
+        self._pending.append(record)
+        self._state = state
+        if now or time.monotonic() >= self._flush_at:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the records made since the last flush, and tell the loggers."""
+        self._flush_at = time.monotonic() + self.flush_s
+        if not self._pending or self._file is None:
+            return
+        lines = [strict_json(record) for record in self._pending]
+        self._pending = []
+        self._file.write("\n".join(lines) + "\n")
+        if self._listened:
+            for line in lines:
+                self.hooks.log_metrics(state=self._state, record=json.loads(line))
 
     def _listened_to(self) -> bool:
         # The line is parsed back (so a logger sees what the file holds) only when a
@@ -176,5 +212,6 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self._file is not None:
+            self.flush()
             self._file.close()
             self._file = None

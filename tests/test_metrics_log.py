@@ -1,0 +1,89 @@
+"""metrics.jsonl is written in batches: a record made at its interval waits for the
+next flush (by time, or before an evaluation's record, a checkpoint, the run's end or
+its failure), so a loop of small steps does not format and write a line every few
+batches; and nothing is lost or reordered by the wait."""
+
+import json
+
+import pytest
+
+from helpers import Probe, train
+from slipstream import hookimpl
+from slipstream.services import metrics
+
+
+def train_steps_on_disk(run_dir):
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [r["step"] for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "train"]
+
+
+def watcher(tmp_path, seen):
+    """At each batch_end (before the engine's services) note the train steps on disk."""
+    return Probe(batch_end=lambda state: seen.append(train_steps_on_disk(tmp_path / "run")))
+
+
+def test_records_wait_for_the_flush_and_a_checkpoint_writes_those_before_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "FLUSH_S", 3600.0)  # never due by time in this run
+    seen = []
+    trainer = train(tmp_path, [watcher(tmp_path, seen)], max_duration="6ba", log_interval=1,
+                    checkpoint_interval="3ba", eval_interval=None)
+    # Batch 4's watcher sees steps 1-3, written by the checkpoint of step 3; not before.
+    assert [len(s) for s in seen] == [0, 0, 0, 3, 3, 3]
+    assert train_steps_on_disk(trainer.run_dir) == [1, 2, 3, 4, 5, 6]  # the run's end wrote the rest
+
+
+def test_with_no_wait_each_record_is_on_disk_when_made(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "FLUSH_S", 0.0)
+    seen = []
+    train(tmp_path, [watcher(tmp_path, seen)], max_duration="4ba", log_interval=1,
+          checkpoint_interval=None, eval_interval=None)
+    assert [len(s) for s in seen] == [0, 1, 2, 3]
+
+
+def test_an_evaluation_writes_the_records_made_before_it_then_its_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "FLUSH_S", 3600.0)
+    seen = []
+    trainer = train(tmp_path, [watcher(tmp_path, seen)], max_duration="4ba", log_interval=1,
+                    checkpoint_interval=None, eval_interval="2ba")
+    # At a batch_end the evaluation runs before the metrics log makes that step's record;
+    # the last one runs at the run's end, after it.
+    assert [len(s) for s in seen] == [0, 0, 1, 1]
+    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    order = [(r["kind"], r["step"]) for r in map(json.loads, lines)]
+    assert order == [("train", 1), ("eval", 2), ("train", 2), ("train", 3), ("train", 4), ("eval", 4)]
+
+
+def test_a_failed_run_writes_the_records_it_made(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "FLUSH_S", 3600.0)
+
+    def fail_at_4(state):
+        if state.timestamp.batch == 3:  # the fourth batch, before its step
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        train(tmp_path, [Probe(batch_start=fail_at_4)], max_duration="6ba", log_interval=1,
+              checkpoint_interval=None, eval_interval=None)
+    assert train_steps_on_disk(tmp_path / "run") == [1, 2, 3]
+
+
+def test_loggers_get_the_records_at_the_flush_in_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "FLUSH_S", 3600.0)
+
+    class Logger(Probe):
+        name = "logger"
+
+        def __init__(self):
+            super().__init__()
+            self.told = []  # (the step the run was at, the record's step)
+
+        @hookimpl
+        def log_metrics(self, state, record):
+            self.told.append((state.timestamp.batch, record["kind"], record["step"]))
+
+    logger = Logger()
+    train(tmp_path, [logger], max_duration="4ba", log_interval=1, checkpoint_interval="2ba",
+          eval_interval=None)
+    # Told of steps 1-2 at the checkpoint of step 2, of 3-4 at the end.
+    assert logger.told == [(2, "train", 1), (2, "train", 2), (4, "train", 3), (4, "train", 4)]
