@@ -1,6 +1,6 @@
 """Engine overhead on the peers' tiny-MLP workload: a small MLP on random data, many
-small steps, where anything the engine adds per batch shows. Side by side in one
-process, repetitions interleaved; the hand-written loop is 1.00.
+small steps, where anything the engine adds per batch shows. The hand-written loop is
+1.00.
 
     hand-written loop      for x, y in loader: loss = ...; backward; step; zero_grad
     Trainer bare           no progress bar, no evaluation, no checkpoints
@@ -11,13 +11,23 @@ process, repetitions interleaved; the hand-written loop is 1.00.
 The Trainer runs as users get it otherwise: metrics at the default interval (one
 device sync each), MFU counting, the hook bus. Goal: both Trainer rows at most 1.02.
 
-On a shared machine the speed drifts by several per cent over seconds, more than the
-engine costs, so each repetition runs the hand-written loop before and after the
-Trainer variants and divides by their mean: a ratio per repetition, of which the
-median (and the quartiles, the spread to trust) is reported.
+This shared machine changes speed by 30 % and more over a few hundred milliseconds,
+more than the engine costs, so by default the two are measured step by step, paired:
+the Trainer's data is a wrapper that, before handing the Trainer each batch, runs one
+step of the hand-written loop on its own copy of the model. A Trainer step is timed from
+handing the batch over to being asked for the next one (its hooks, batch move, counters,
+logging, the loop), a hand-written step over its four lines; fetching batches from the
+DataLoader is left out of both, which makes the ratio stricter (a smaller denominator).
+The ratio is the sum of the Trainer's steps over the sum of the hand-written ones, with
+the quartiles of the same ratio over chunks of 100 steps, and the difference per step.
 
-    .venv/bin/python benchmarks/bench_overhead.py [--threads 1] [--steps 1000] [--repeats 11]
+``--whole-runs`` measures as before: whole loops, the hand-written one run before and
+after each repetition's Trainer runs, the median of the per-repetition ratios (their
+quartiles are the spread to trust; here it is several per cent).
+
+    .venv/bin/python benchmarks/bench_overhead.py [--threads 1] [--steps 3000] [--repeats 3]
     .venv/bin/python benchmarks/bench_overhead.py --breakdown   # + the loop without its services
+    .venv/bin/python benchmarks/bench_overhead.py --whole-runs [--steps 1000 --repeats 11]
     .venv/bin/python benchmarks/bench_overhead.py --quick
 """
 
@@ -98,30 +108,102 @@ def with_trainer(data: DataLoader, warmup: int, progress_bar: bool, without: tup
     return per_step(clock.times, warmup)
 
 
-def main() -> None:
-    p = parser(__doc__)
-    p.set_defaults(threads=1, steps=1000, warmup=50, repeats=11)
-    p.add_argument("--breakdown", action="store_true", help="also the Trainer without its per-batch services")
-    args = p.parse_args()
-    if args.quick:
-        args.steps, args.warmup, args.repeats = 300, 30, 3
-    torch.set_num_threads(args.threads)
-    data = loader(args.warmup + args.steps)
-    variants = {
-        "hand-written loop": lambda: hand_written(data, args.warmup),
-        "Trainer bare": lambda: with_trainer(data, args.warmup, progress_bar=False),
-        "Trainer + progress bar": lambda: with_trainer(data, args.warmup, progress_bar=True),
-    }
-    if args.breakdown:
-        variants["Trainer, no services"] = lambda: with_trainer(
-            data, args.warmup, progress_bar=False, without=PER_BATCH_SERVICES
+class PairedSteps:
+    """The Trainer's ``train_data``: before each batch it hands the Trainer, one step of
+    the hand-written loop on a model of its own, on the same batch; both steps timed."""
+
+    def __init__(self, data: DataLoader) -> None:
+        self.data = data
+        self.batch_size = data.batch_size  # what the Trainer reads of a DataLoader
+        self.hand: list[float] = []
+        self.trainer: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self):
+        model, optimizer = mlp()
+        loss_fn = nn.CrossEntropyLoss()
+        clock = time.perf_counter
+        for_trainer = iter(self.data)
+        for x, y in self.data:
+            started = clock()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            self.hand.append(clock() - started)
+            batch = next(for_trainer)  # fetched before each step: the same for both
+            handed = clock()
+            yield batch
+            self.trainer.append(clock() - handed)
+
+
+def paired(
+    steps: int, warmup: int, progress_bar: bool, without: tuple[str, ...] = ()
+) -> tuple[list[float], list[float]]:
+    """(hand-written, Trainer) seconds of each step after ``warmup``, paired."""
+    data = PairedSteps(loader(warmup + steps))
+    model, optimizer = mlp()
+    with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as sink:
+        trainer = Trainer(
+            model=model,
+            optimizer=optimizer,
+            train_data=data,
+            max_duration="1ep",
+            run_dir=Path(tmp) / "run",
+            device="cpu",
+            eval_interval=None,
+            checkpoint_interval=None,
+            progress_bar=progress_bar,
+            verbose=False,
         )
-    step_s: dict[str, list[float]] = {name: [] for name in variants}
-    ratios: dict[str, list[float]] = {name: [] for name in variants}
+        if progress_bar:
+            trainer.pm.get_plugin("engine.progress").file = sink
+        for name in without:
+            trainer.pm.unregister(name=name)
+        trainer.fit()
+    n = len(data.trainer)  # the last hand-written step has no Trainer step after it
+    return data.hand[warmup:n], data.trainer[warmup:n]
+
+
+CHUNK = 100  # steps per chunk for the quartiles of the ratio
+
+
+def main_paired(args, variants: dict[str, dict]) -> None:
+    hand: dict[str, list[float]] = {name: [] for name in variants}
+    engine: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeats):
-        before = variants["hand-written loop"]()
-        times = {name: run() for name, run in variants.items() if name != "hand-written loop"}
-        after = variants["hand-written loop"]()
+        for name, options in variants.items():
+            h, t = paired(args.steps, args.warmup, **options)
+            hand[name] += h
+            engine[name] += t
+    print(
+        f"tiny MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, batch {BATCH}, {args.steps} timed steps x "
+        f"{args.repeats} repetitions, each Trainer step paired with a hand-written one, "
+        f"{args.threads} thread(s)"
+    )
+    header = f"{'variant':<26} {'hand us':>8} {'engine us':>10} {'+us/step':>9} {'ratio':>7}"
+    print(f"{header}   quartiles over {CHUNK}-step chunks")
+    for name in variants:
+        h, t = hand[name], engine[name]
+        chunks = sorted(sum(t[i : i + CHUNK]) / sum(h[i : i + CHUNK]) for i in range(0, len(t) - CHUNK + 1, CHUNK))
+        quartiles = f"{chunks[len(chunks) // 4]:.3f} - {chunks[(3 * len(chunks)) // 4]:.3f}"
+        mean_h, mean_t = 1e6 * statistics.fmean(h), 1e6 * statistics.fmean(t)
+        row = f"{name:<26} {mean_h:>8.1f} {mean_t:>10.1f} {mean_t - mean_h:>+9.1f} {sum(t) / sum(h):>7.3f}"
+        print(f"{row}   {quartiles}")
+
+
+def main_whole_runs(args, variants: dict[str, dict]) -> None:
+    data = loader(args.warmup + args.steps)
+    runs = {"hand-written loop": lambda: hand_written(data, args.warmup)}
+    runs.update({name: (lambda o=options: with_trainer(data, args.warmup, **o)) for name, options in variants.items()})
+    step_s: dict[str, list[float]] = {name: [] for name in runs}
+    ratios: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        before = runs["hand-written loop"]()
+        times = {name: run() for name, run in runs.items() if name != "hand-written loop"}
+        after = runs["hand-written loop"]()
         base = (before + after) / 2
         step_s["hand-written loop"] += [before, after]
         ratios["hand-written loop"].append(after / before)
@@ -139,6 +221,29 @@ def main() -> None:
         quartiles = f"{r[len(r) // 4]:.3f} - {r[(3 * len(r)) // 4]:.3f}"
         label = "(after/before)" if name == "hand-written loop" else ""
         print(f"{name:<26} {1e6 * statistics.median(times):>9.1f} {statistics.median(r):>7.3f}   {quartiles} {label}")
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.set_defaults(threads=1, steps=None, warmup=None, repeats=None)
+    p.add_argument("--breakdown", action="store_true", help="also the Trainer without its per-batch services")
+    p.add_argument("--whole-runs", action="store_true", help="whole loops in turn instead of paired steps")
+    args = p.parse_args()
+    # Paired: fewer, longer runs (each pair is its own comparison); whole runs: many.
+    steps, warmup, repeats = (1000, 50, 11) if args.whole_runs else (3000, 100, 3)
+    if args.quick:
+        steps, warmup, repeats = (300, 30, 3) if args.whole_runs else (400, 50, 1)
+    args.steps = args.steps or steps
+    args.warmup = args.warmup if args.warmup is not None else warmup
+    args.repeats = args.repeats or repeats
+    torch.set_num_threads(args.threads)
+    variants: dict[str, dict] = {
+        "Trainer bare": {"progress_bar": False},
+        "Trainer + progress bar": {"progress_bar": True},
+    }
+    if args.breakdown:
+        variants["Trainer, no services"] = {"progress_bar": False, "without": PER_BATCH_SERVICES}
+    (main_whole_runs if args.whole_runs else main_paired)(args, variants)
 
 
 if __name__ == "__main__":
