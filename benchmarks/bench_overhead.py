@@ -7,6 +7,8 @@ small steps, where anything the engine adds per batch shows. The hand-written lo
     Trainer + progress bar the same with the tqdm bar drawing (to /dev/null)
     Trainer, no services   (--breakdown) bare without the engine's per-batch services:
                            what is left is the loop itself (hooks, batch move, counters)
+    hand-written batch     (--breakdown, paired) the Trainer's epoch loop around the
+                           hand-written step: the floor of the paired comparison
 
 The Trainer runs as users get it otherwise: metrics at the default interval (one
 device sync each), MFU counting, the hook bus. Goal: both Trainer rows at most 1.02.
@@ -27,6 +29,7 @@ quartiles are the spread to trust; here it is several per cent).
 
     .venv/bin/python benchmarks/bench_overhead.py [--threads 1] [--steps 3000] [--repeats 3]
     .venv/bin/python benchmarks/bench_overhead.py --breakdown   # + the loop without its services
+    .venv/bin/python benchmarks/bench_overhead.py --log-interval 1   # a metrics record every batch
     .venv/bin/python benchmarks/bench_overhead.py --whole-runs [--steps 1000 --repeats 11]
     .venv/bin/python benchmarks/bench_overhead.py --quick
 """
@@ -37,7 +40,9 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,28 +88,42 @@ def hand_written(data: DataLoader, warmup: int) -> float:
 PER_BATCH_SERVICES = ("engine.utilization", "engine.losses", "engine.metrics", "engine.checkpoint", "engine.evaluation")
 
 
-def with_trainer(data: DataLoader, warmup: int, progress_bar: bool, without: tuple[str, ...] = ()) -> float:
+def fit(
+    data: Any,
+    progress_bar: bool,
+    without: tuple[str, ...] = (),
+    algorithms: tuple[Any, ...] = (),
+    log_interval: int = 20,
+    engine: type[Trainer] = Trainer,
+) -> None:
+    """One epoch of the MLP on ``data`` as users get the Trainer (no evaluation, no
+    checkpoints), the bar drawing to /dev/null, the services ``without`` left out."""
     model, optimizer = mlp()
-    clock = StepClock()
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as sink:
-        trainer = Trainer(
+        trainer = engine(
             model=model,
             optimizer=optimizer,
             train_data=data,
             max_duration="1ep",
-            algorithms=[clock],
+            algorithms=list(algorithms),
             run_dir=Path(tmp) / "run",
             device="cpu",
             eval_interval=None,
             checkpoint_interval=None,
             progress_bar=progress_bar,
             verbose=False,
+            log_interval=log_interval,
         )
         if progress_bar:
             trainer.pm.get_plugin("engine.progress").file = sink
         for name in without:
             trainer.pm.unregister(name=name)
         trainer.fit()
+
+
+def with_trainer(data: DataLoader, warmup: int, progress_bar: bool, without: tuple[str, ...] = ()) -> float:
+    clock = StepClock()
+    fit(data, progress_bar, without, algorithms=(clock,))
     return per_step(clock.times, warmup)
 
 
@@ -121,7 +140,7 @@ class PairedSteps:
     def __len__(self) -> int:
         return len(self.data)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         model, optimizer = mlp()
         loss_fn = nn.CrossEntropyLoss()
         clock = time.perf_counter
@@ -139,30 +158,33 @@ class PairedSteps:
             self.trainer.append(clock() - handed)
 
 
+class HandWrittenBatch(Trainer):
+    """The Trainer with the hand-written step for a batch (and the counters the loop
+    needs): what is left of the engine is its epoch loop and stop check, so beside the
+    hand-written loop it shows the floor of this comparison."""
+
+    def _train_batch(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        state, ts = self.state, self.state.timestamp
+        x, y = batch
+        loss = state.loss_fn(state.model(x), y)
+        loss.backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        ts.batch += 1
+        ts.batch_in_epoch += 1
+
+
 def paired(
-    steps: int, warmup: int, progress_bar: bool, without: tuple[str, ...] = ()
+    steps: int,
+    warmup: int,
+    progress_bar: bool,
+    without: tuple[str, ...] = (),
+    log_interval: int = 20,
+    engine: type[Trainer] = Trainer,
 ) -> tuple[list[float], list[float]]:
     """(hand-written, Trainer) seconds of each step after ``warmup``, paired."""
     data = PairedSteps(loader(warmup + steps))
-    model, optimizer = mlp()
-    with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as sink:
-        trainer = Trainer(
-            model=model,
-            optimizer=optimizer,
-            train_data=data,
-            max_duration="1ep",
-            run_dir=Path(tmp) / "run",
-            device="cpu",
-            eval_interval=None,
-            checkpoint_interval=None,
-            progress_bar=progress_bar,
-            verbose=False,
-        )
-        if progress_bar:
-            trainer.pm.get_plugin("engine.progress").file = sink
-        for name in without:
-            trainer.pm.unregister(name=name)
-        trainer.fit()
+    fit(data, progress_bar, without, log_interval=log_interval, engine=engine)
     n = len(data.trainer)  # the last hand-written step has no Trainer step after it
     return data.hand[warmup:n], data.trainer[warmup:n]
 
@@ -175,7 +197,7 @@ def main_paired(args, variants: dict[str, dict]) -> None:
     engine: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeats):
         for name, options in variants.items():
-            h, t = paired(args.steps, args.warmup, **options)
+            h, t = paired(args.steps, args.warmup, log_interval=args.log_interval, **options)
             hand[name] += h
             engine[name] += t
     print(
@@ -228,6 +250,7 @@ def main() -> None:
     p.set_defaults(threads=1, steps=None, warmup=None, repeats=None)
     p.add_argument("--breakdown", action="store_true", help="also the Trainer without its per-batch services")
     p.add_argument("--whole-runs", action="store_true", help="whole loops in turn instead of paired steps")
+    p.add_argument("--log-interval", type=int, default=20, help="the Trainer's log_interval (paired; default 20)")
     args = p.parse_args()
     # Paired: fewer, longer runs (each pair is its own comparison); whole runs: many.
     steps, warmup, repeats = (1000, 50, 11) if args.whole_runs else (3000, 100, 3)
@@ -243,6 +266,8 @@ def main() -> None:
     }
     if args.breakdown:
         variants["Trainer, no services"] = {"progress_bar": False, "without": PER_BATCH_SERVICES}
+        if not args.whole_runs:
+            variants["hand-written batch"] = {"progress_bar": False, "engine": HandWrittenBatch}
     (main_whole_runs if args.whole_runs else main_paired)(args, variants)
 
 
