@@ -6,9 +6,11 @@ batches; and nothing is lost or reordered by the wait."""
 import json
 
 import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import Probe, train
-from slipstream import hookimpl
+from slipstream import Trainer, hookimpl
 from slipstream.services import metrics
 
 
@@ -87,3 +89,17 @@ def test_loggers_get_the_records_at_the_flush_in_order(tmp_path, monkeypatch):
           eval_interval=None)
     # Told of steps 1-2 at the checkpoint of step 2, of 3-4 at the end.
     assert logger.told == [(2, "train", 1), (2, "train", 2), (4, "train", 3), (4, "train", 4)]
+
+
+def test_image_size_is_recorded_for_image_batches_only(tmp_path):
+    features = DataLoader(TensorDataset(torch.randn(16, 32), torch.randint(0, 4, (16,))), batch_size=8)
+    model = torch.nn.Linear(32, 4)
+    trainer = Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_data=features,
+                      max_duration="2ba", run_dir=tmp_path / "vectors", device="cpu", log_interval=1,
+                      eval_interval=None, checkpoint_interval=None, progress_bar=False, verbose=False)
+    trainer.fit()
+    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["image_size"] for line in lines] == [None, None]  # not [8, 32]
+    images = train(tmp_path, [], max_duration="1ba", log_interval=1, checkpoint_interval=None, eval_interval=None)
+    record = json.loads((images.run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["image_size"] == [16, 16]

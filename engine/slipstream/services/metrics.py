@@ -137,7 +137,9 @@ class MetricsLogger:
             "elapsed_s": round(now, 4),
             "loss": loss,
             "lr": _scalar(state.optimizer.param_groups[0]["lr"]),
-            "image_size": list(inputs.shape[-2:]) if isinstance(inputs, torch.Tensor) else None,
+            # Of an image batch (N, C, H, W) only: the last two sizes of other inputs
+            # (a batch of feature vectors) are not an image's.
+            "image_size": list(inputs.shape[-2:]) if isinstance(inputs, torch.Tensor) and inputs.dim() == 4 else None,
             "samples_per_s": samples / seconds,
             "mfu": self.utilization.mfu(state, done, seconds) if self.utilization else None,
         }
