@@ -3,6 +3,7 @@ next flush (by time, or before an evaluation's record, a checkpoint, the run's e
 its failure), so a loop of small steps does not format and write a line every few
 batches; and nothing is lost or reordered by the wait."""
 
+import errno
 import json
 
 import pytest
@@ -68,6 +69,23 @@ def test_a_failed_run_writes_the_records_it_made(tmp_path, monkeypatch):
         train(tmp_path, [Probe(batch_start=fail_at_4)], max_duration="6ba", log_interval=1,
               checkpoint_interval=None, eval_interval=None)
     assert train_steps_on_disk(tmp_path / "run") == [1, 2, 3]
+
+
+def test_records_that_cannot_be_written_at_a_failure_do_not_hide_its_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "FLUSH_S", 3600.0)
+
+    def disk_full(record):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def fail_at_2(state):
+        if state.timestamp.batch == 2:
+            monkeypatch.setattr(metrics, "strict_json", disk_full)  # the disk fills up
+            raise RuntimeError("boom")
+
+    with pytest.warns(UserWarning, match="metrics.jsonl were not written: .*the disk is full"):
+        with pytest.raises(RuntimeError, match="boom"):
+            train(tmp_path, [Probe(batch_start=fail_at_2)], max_duration="6ba", log_interval=1,
+                  checkpoint_interval=None, eval_interval=None)
 
 
 def test_loggers_get_the_records_at_the_flush_in_order(tmp_path, monkeypatch):

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..errors import describe_os_error
 from ..hookspecs import hookimpl
 from ..interval import Interval
 from ..rundir import METRICS, atomic_write_text, strict_json
@@ -210,10 +212,22 @@ class MetricsLogger:
 
     @hookimpl
     def exception(self, state: State) -> None:
-        self.close()
+        # The run's own error is what the user must see: records that cannot be
+        # written now (on the disk that filled up and failed the run) are told, not
+        # raised over it.
+        try:
+            self.close()
+        except OSError as exc:
+            warnings.warn(
+                f"slipstream: the last records of {METRICS} were not written: {describe_os_error(exc)}",
+                stacklevel=2,
+            )
 
     def close(self) -> None:
-        if self._file is not None:
+        if self._file is None:
+            return
+        try:
             self.flush()
-            self._file.close()
-            self._file = None
+        finally:
+            file, self._file = self._file, None
+            file.close()
