@@ -179,7 +179,8 @@ STEPS = (
 )
 
 # Names of the events in the order the loop fires them (see Trainer.fit);
-# log_metrics comes last: the metrics log fires it inside batch_end and eval_end.
+# log_metrics comes last: the metrics log fires it when it writes records (inside
+# batch_end, eval_end, a checkpoint's save, fit_end or exception).
 EVENTS = (
     "init",
     "fit_start",
@@ -343,13 +344,16 @@ def exception(state: State, error: BaseException) -> None:
 def log_metrics(state: State, record: dict[str, Any]) -> None:
     """A record has just been appended to ``metrics.jsonl``: ``record`` is that
     line, parsed (strict JSON: a non-finite value is None and named in
-    ``record["nonfinite"]``). Train records (``record["kind"] == "train"``) come at
-    every logging interval and at the end; eval records (``"eval"``, with
-    ``loss`` and ``accuracy``) after every evaluation. ``record["step"]`` is the
-    global batch. Fired on global rank 0 only (the one that writes), inside
-    ``batch_end`` or ``eval_end``, so every logger sees exactly what
-    ``metrics.jsonl`` gets. Do not change ``record``: it is shared by every
-    implementation."""
+    ``record["nonfinite"]``). Train records (``record["kind"] == "train"``) are made
+    at every logging interval and at the end; eval records (``"eval"``, with
+    ``loss`` and ``accuracy``) after every evaluation. Records are written, and
+    this hook fired for each in order, together: at most a second after they were
+    made, and before an eval record, a checkpoint, the end of the run or its
+    failure. So ``state`` is the run as it stands at the write, which may be some
+    batches past the record: ``record["step"]`` (the global batch) says which step
+    it describes. Fired on global rank 0 only (the one that writes), so every logger
+    sees exactly what ``metrics.jsonl`` gets. Do not change ``record``: it is shared
+    by every implementation."""
 
 
 # ---------------------------------------------------------------------------
