@@ -121,9 +121,11 @@ def fit(
         trainer.fit()
 
 
-def with_trainer(data: DataLoader, warmup: int, progress_bar: bool, without: tuple[str, ...] = ()) -> float:
+def with_trainer(
+    data: DataLoader, warmup: int, progress_bar: bool, without: tuple[str, ...] = (), log_interval: int = 20
+) -> float:
     clock = StepClock()
-    fit(data, progress_bar, without, algorithms=(clock,))
+    fit(data, progress_bar, without, algorithms=(clock,), log_interval=log_interval)
     return per_step(clock.times, warmup)
 
 
@@ -219,7 +221,12 @@ def main_paired(args, variants: dict[str, dict]) -> None:
 def main_whole_runs(args, variants: dict[str, dict]) -> None:
     data = loader(args.warmup + args.steps)
     runs = {"hand-written loop": lambda: hand_written(data, args.warmup)}
-    runs.update({name: (lambda o=options: with_trainer(data, args.warmup, **o)) for name, options in variants.items()})
+    runs.update(
+        {
+            name: (lambda o=options: with_trainer(data, args.warmup, log_interval=args.log_interval, **o))
+            for name, options in variants.items()
+        }
+    )
     step_s: dict[str, list[float]] = {name: [] for name in runs}
     ratios: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.repeats):
@@ -250,7 +257,7 @@ def main() -> None:
     p.set_defaults(threads=1, steps=None, warmup=None, repeats=None)
     p.add_argument("--breakdown", action="store_true", help="also the Trainer without its per-batch services")
     p.add_argument("--whole-runs", action="store_true", help="whole loops in turn instead of paired steps")
-    p.add_argument("--log-interval", type=int, default=20, help="the Trainer's log_interval (paired; default 20)")
+    p.add_argument("--log-interval", type=int, default=20, help="the Trainer's log_interval (default 20)")
     args = p.parse_args()
     # Paired: fewer, longer runs (each pair is its own comparison); whole runs: many.
     steps, warmup, repeats = (1000, 50, 11) if args.whole_runs else (3000, 100, 3)
