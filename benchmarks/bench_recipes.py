@@ -97,9 +97,9 @@ def main() -> None:
         )
         for run, row in zip(runs, rows, strict=True):
             reached = time_to_accuracy(run, within)
-            share = "never reached" if reached is None else f"{reached:.1f} s"
+            when = "never reached" if reached is None else f"{reached:.1f} s"
             ratio = "-" if reached is None else f"{base['wall_time_s'] / reached:.2f}x"
-            print(f"  {row['run']:<24} {share:>14}  {ratio:>6}")
+            print(f"  {row['run']:<24} {when:>14}  {ratio:>6}")
     print(f"runs kept in {out}")
 
 
