@@ -18,10 +18,16 @@ more than the engine costs, so by default the two are measured step by step, pai
 the Trainer's data is a wrapper that, before handing the Trainer each batch, runs one
 step of the hand-written loop on its own copy of the model. A Trainer step is timed from
 handing the batch over to being asked for the next one (its hooks, batch move, counters,
-logging, the loop), a hand-written step over its four lines; fetching batches from the
-DataLoader is left out of both, which makes the ratio stricter (a smaller denominator).
-The ratio is the sum of the Trainer's steps over the sum of the hand-written ones, with
-the quartiles of the same ratio over chunks of 100 steps, and the difference per step.
+logging, the loop), a hand-written step over its four lines. Each side fetches its batch
+from its own iterator of the same DataLoader right before its step, timed apart. Two
+readings, each the sum of the Trainer's times over the sum of the hand-written ones,
+with the quartiles of that ratio over chunks of 100 steps:
+
+    the step             fetches left out of both: what the engine adds to a step,
+                         over a smaller denominator (the stricter reading)
+    the loop as written  fetch + step on both sides: the wall time of
+                         `for x, y in loader: ...` against the Trainer's, the
+                         comparison the goal and the peers' figures make
 
 ``--whole-runs`` measures as before: whole loops, the hand-written one run before and
 after each repetition's Trainer runs, the median of the per-repetition ratios (their
@@ -138,6 +144,9 @@ class PairedSteps:
         self.batch_size = data.batch_size  # what the Trainer reads of a DataLoader
         self.hand: list[float] = []
         self.trainer: list[float] = []
+        # Each side's DataLoader fetch before its step, timed apart.
+        self.hand_fetch: list[float] = []
+        self.trainer_fetch: list[float] = []
 
     def __len__(self) -> int:
         return len(self.data)
@@ -146,18 +155,26 @@ class PairedSteps:
         model, optimizer = mlp()
         loss_fn = nn.CrossEntropyLoss()
         clock = time.perf_counter
-        for_trainer = iter(self.data)
-        for x, y in self.data:
+        for_hand, for_trainer = iter(self.data), iter(self.data)
+        while True:
+            fetching = clock()
+            try:
+                x, y = next(for_hand)
+            except StopIteration:
+                return
             started = clock()
             loss = loss_fn(model(x), y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            self.hand.append(clock() - started)
-            batch = next(for_trainer)  # fetched before each step: the same for both
+            ended = clock()
+            batch = next(for_trainer)  # fetched right before each step, as the hand's
             handed = clock()
             yield batch
             self.trainer.append(clock() - handed)
+            self.hand.append(ended - started)
+            self.hand_fetch.append(started - fetching)
+            self.trainer_fetch.append(handed - ended)
 
 
 class HandWrittenBatch(Trainer):
@@ -183,39 +200,56 @@ def paired(
     without: tuple[str, ...] = (),
     log_interval: int = 20,
     engine: type[Trainer] = Trainer,
-) -> tuple[list[float], list[float]]:
-    """(hand-written, Trainer) seconds of each step after ``warmup``, paired."""
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Seconds of each step after ``warmup``, paired: (hand-written, Trainer, the
+    hand-written loop's fetch, the Trainer's fetch)."""
     data = PairedSteps(loader(warmup + steps))
     fit(data, progress_bar, without, log_interval=log_interval, engine=engine)
-    n = len(data.trainer)  # the last hand-written step has no Trainer step after it
-    return data.hand[warmup:n], data.trainer[warmup:n]
+    return (
+        data.hand[warmup:],
+        data.trainer[warmup:],
+        data.hand_fetch[warmup:],
+        data.trainer_fetch[warmup:],
+    )
 
 
 CHUNK = 100  # steps per chunk for the quartiles of the ratio
 
 
+def quartiles(engine: list[float], hand: list[float]) -> str:
+    """The quartiles of the ratio over chunks of CHUNK paired steps."""
+    chunks = sorted(
+        sum(engine[i : i + CHUNK]) / sum(hand[i : i + CHUNK]) for i in range(0, len(engine) - CHUNK + 1, CHUNK)
+    )
+    return f"{chunks[len(chunks) // 4]:.3f}-{chunks[(3 * len(chunks)) // 4]:.3f}"
+
+
 def main_paired(args, variants: dict[str, dict]) -> None:
-    hand: dict[str, list[float]] = {name: [] for name in variants}
-    engine: dict[str, list[float]] = {name: [] for name in variants}
+    # Per variant: hand-written steps, Trainer steps, and the same with each one's fetch.
+    runs: dict[str, list[list[float]]] = {name: [[], [], [], []] for name in variants}
     for _ in range(args.repeats):
         for name, options in variants.items():
-            h, t = paired(args.steps, args.warmup, log_interval=args.log_interval, **options)
-            hand[name] += h
-            engine[name] += t
+            measured = paired(args.steps, args.warmup, log_interval=args.log_interval, **options)
+            for kept, new in zip(runs[name], measured, strict=True):
+                kept += new
     print(
         f"tiny MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, batch {BATCH}, {args.steps} timed steps x "
         f"{args.repeats} repetitions, each Trainer step paired with a hand-written one, "
         f"{args.threads} thread(s)"
     )
-    header = f"{'variant':<26} {'hand us':>8} {'engine us':>10} {'+us/step':>9} {'ratio':>7}"
-    print(f"{header}   quartiles over {CHUNK}-step chunks")
-    for name in variants:
-        h, t = hand[name], engine[name]
-        chunks = sorted(sum(t[i : i + CHUNK]) / sum(h[i : i + CHUNK]) for i in range(0, len(t) - CHUNK + 1, CHUNK))
-        quartiles = f"{chunks[len(chunks) // 4]:.3f} - {chunks[(3 * len(chunks)) // 4]:.3f}"
+    print(
+        f"{'':<26} {'the step (fetch left out)':^46}   {'the loop as written (with the fetch)':^36}\n"
+        f"{'variant':<26} {'hand us':>8} {'+us/step':>9} {'ratio':>7} {'quartiles':>12}   "
+        f"{'fetch us':>9} {'ratio':>7} {'quartiles':>12}"
+    )
+    for name, (h, t, fh, ft) in runs.items():
+        loop_h = [a + b for a, b in zip(h, fh, strict=True)]
+        loop_t = [a + b for a, b in zip(t, ft, strict=True)]
         mean_h, mean_t = 1e6 * statistics.fmean(h), 1e6 * statistics.fmean(t)
-        row = f"{name:<26} {mean_h:>8.1f} {mean_t:>10.1f} {mean_t - mean_h:>+9.1f} {sum(t) / sum(h):>7.3f}"
-        print(f"{row}   {quartiles}")
+        print(
+            f"{name:<26} {mean_h:>8.1f} {mean_t - mean_h:>+9.1f} {sum(t) / sum(h):>7.3f} {quartiles(t, h):>12}   "
+            f"{1e6 * statistics.fmean(fh):>9.1f} {sum(loop_t) / sum(loop_h):>7.3f} {quartiles(loop_t, loop_h):>12}"
+        )
 
 
 def main_whole_runs(args, variants: dict[str, dict]) -> None:

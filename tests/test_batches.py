@@ -29,3 +29,11 @@ def test_a_mover_for_another_device_moves_every_tensor():
     moved = batch_mover(meta)([torch.ones(2), torch.zeros(2)])
     assert all(t.device == meta for t in moved)
     assert to_device([torch.ones(1)], meta)[0].device == meta
+
+
+def test_a_cpu_batch_of_other_lengths_is_tested_item_by_item():
+    move = batch_mover(torch.device("cpu"))
+    x, y, w = torch.ones(2, 3), torch.zeros(2, dtype=torch.long), torch.ones(2)
+    moved = move([x, y, w])
+    assert type(moved) is tuple and all(a is b for a, b in zip(moved, (x, y, w), strict=True))
+    assert move([x, "label"]) == (x, "label")  # a pair that is not two tensors: the general path

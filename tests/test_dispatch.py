@@ -146,3 +146,17 @@ def test_checkpoints_and_evaluation_are_asked_at_batch_end_only_if_due_inside_an
     for service in (Checkpointer(tmp_path, lambda state: {}, interval), Evaluator(None, interval)):
         pm = manager(service)
         assert (bind(pm, "batch_end") is not dispatch._noop) is bound, type(service).__name__
+
+
+def test_an_event_for_a_caller_that_ignores_results_is_none_the_lone_plugin_or_each_in_order():
+    from slipstream.dispatch import bind_event
+
+    assert bind_event(manager(), "batch_end") is None  # nobody implements it: the loop skips it
+    calls: list[str] = []
+    lone = Recorder("only", calls, "ignored")
+    assert bind_event(manager(lone), "batch_end") == lone.batch_end
+    pm = manager(Recorder("a", calls, 1), First(calls), Recorder("b", calls))
+    pm.hook.batch_end(state=None)
+    expected, calls[:] = list(calls), []
+    assert bind_event(pm, "batch_end")(state=None) is None
+    assert calls == expected == ["first", "b", "a"]  # pluggy's order, results not collected

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import Probe, train
-from slipstream import Algorithm, PluginError, hookimpl
+from slipstream import Algorithm, PluginError, hookimpl, hookspecs
 from slipstream.hookspecs import EVENTS, STEPS
 
 BATCH_EVENTS = [
@@ -139,16 +139,27 @@ def test_should_step_gates_the_optimizer_and_its_events(tmp_path):
     assert trainer.state.timestamp.optimizer_steps == 2
 
 
-def test_unimplemented_hooks_are_bound_to_a_cheap_noop(tmp_path):
+def test_unimplemented_hooks_are_skipped_or_bound_to_a_cheap_noop(tmp_path):
     trainer = train(tmp_path, [], max_duration="1ba", eval_interval=None)
-    assert trainer.hooks.before_backward.__name__ == "_noop"
+    # A per-batch event nobody implements is None, which the loop skips; others
+    # (fired once a run or an epoch) are a no-op.
+    assert trainer.hooks.before_backward is None
+    assert trainer.hooks.epoch_start.__name__ == "_noop"
     # Implemented ones are called directly (slipstream.dispatch), not through pluggy;
     # with checkpoints and evaluation at whole epochs, only the metrics log acts at
-    # batch_end.
-    assert trainer.hooks.batch_end.__name__ == "one"
-    assert trainer.hooks.batch_end.__closure__[0].cell_contents == trainer.pm.get_plugin("engine.metrics").batch_end
+    # batch_end, and the loop, which ignores what events return, calls it itself.
+    assert trainer.hooks.batch_end == trainer.pm.get_plugin("engine.metrics").batch_end
     # A step only the engine performs is its default's method itself.
     assert trainer.hooks.forward == trainer.pm.get_plugin("engine.steps").forward
+
+
+def test_every_per_batch_event_reaches_a_plugin_that_implements_it(tmp_path):
+    probe = Probe()
+    trainer = train(tmp_path, [probe], max_duration="2ba", eval_interval=None)
+    assert hookspecs.BATCH_EVENTS == tuple(BATCH_EVENTS)  # the ones the loop may skip
+    for name in BATCH_EVENTS:
+        assert trainer.hooks.__dict__[name] is not None, name
+        assert probe.events.count(name) == 2, name
 
 
 class Boom(Algorithm):

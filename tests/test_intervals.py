@@ -69,3 +69,23 @@ def test_an_interval_is_due_once_however_many_marks_passed():
 def test_an_interval_resumes_on_the_marks_of_the_run():
     every = Interval.after(0.5, 1.0)  # resumed exactly at a mark: wait for the next
     assert (every.due(1.25), every.due(1.5)) == (False, True)
+
+
+@pytest.mark.parametrize("total", ["2ep", "1.5ep", "6ba", "100sp"])
+def test_is_done_agrees_with_the_run_time_in_its_unit(total):
+    import torch
+
+    from slipstream.duration import Duration
+    from slipstream.state import State
+
+    model = torch.nn.Linear(2, 2)
+    state = State(model, torch.optim.SGD(model.parameters(), lr=0.1), Duration.parse(total), batches_per_epoch=4)
+    duration = Duration.parse(total)
+    for batch in range(13):
+        ts = state.timestamp
+        ts.epoch, ts.batch_in_epoch, ts.batch, ts.samples = batch // 4, batch % 4, batch, 16 * batch
+        assert state.is_done() == (state.time_in(duration.unit) >= duration.value), (total, batch)
+    state.timestamp.batch = state.timestamp.epoch = state.timestamp.batch_in_epoch = state.timestamp.samples = 0
+    assert not state.is_done()
+    state.request_stop("interrupted", "a signal")
+    assert state.is_done()

@@ -37,6 +37,34 @@ def test_records_wait_for_the_flush_and_a_checkpoint_writes_those_before_it(tmp_
     assert train_steps_on_disk(trainer.run_dir) == [1, 2, 3, 4, 5, 6]  # the run's end wrote the rest
 
 
+@pytest.mark.parametrize(
+    ("max_duration", "eval_interval", "log_interval", "expected"),
+    [
+        # The last evaluation at fit_end (a run in batches), after a mid-run one.
+        ("6ba", "3ba", 4, [("eval", 3), ("train", 4), ("train", 6), ("eval", 6)]),
+        # The last evaluation at the last epoch_end (4 batches an epoch).
+        ("2ep", "1ep", 3, [("train", 3), ("eval", 4), ("train", 6), ("train", 8), ("eval", 8)]),
+    ],
+)
+def test_a_run_ending_between_marks_logs_its_last_interval_before_the_final_evaluation(
+    tmp_path, max_duration, eval_interval, log_interval, expected
+):
+    trainer = train(tmp_path, max_duration=max_duration, log_interval=log_interval,
+                    checkpoint_interval=None, eval_interval=eval_interval)
+    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [(r["kind"], r["step"]) for r in map(json.loads, lines)] == expected
+
+
+def test_a_checkpoint_at_the_runs_end_writes_its_last_interval_before_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "FLUSH_S", 3600.0)
+    seen = []
+    # At fit_end an algorithm runs before the metrics log's own fit_end: what is on disk
+    # then was written by the last checkpoint (at the epoch's end, step 4).
+    probe = Probe(fit_end=lambda state: seen.append(train_steps_on_disk(tmp_path / "run")))
+    train(tmp_path, [probe], max_duration="1ep", log_interval=3, checkpoint_interval="1ep", eval_interval=None)
+    assert seen == [[3, 4]]
+
+
 def test_with_no_wait_each_record_is_on_disk_when_made(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics, "FLUSH_S", 0.0)
     seen = []

@@ -204,6 +204,10 @@ EVENTS = (
     "log_metrics",
 )
 
+# The events fired for every training batch. The loop skips one nobody implements
+# (`Trainer.hooks` holds None for it), so an unused event costs a run nothing.
+BATCH_EVENTS = EVENTS[EVENTS.index("batch_start") : EVENTS.index("batch_end") + 1]
+
 
 # ---------------------------------------------------------------------------
 # Events

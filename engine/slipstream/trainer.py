@@ -24,7 +24,7 @@ from . import hookspecs
 from .algorithm import Algorithm
 from .callback import Callback
 from .checkpoint import checkpoint_payload, restore_checkpoint
-from .dispatch import bind
+from .dispatch import bind, bind_event
 from .distributed import init_distributed, resolve_device
 from .duration import Duration
 from .errors import CheckpointError, ConfigError, PluginError
@@ -337,8 +337,10 @@ class Trainer:
 
     def _before_checkpoint(self, state: State) -> bool:
         """The checkpoint service's guard: the metrics log written as far as the
-        checkpoint reaches (so a resume from it finds every record before it), then
-        the divergence check, whose False means write no checkpoint."""
+        checkpoint reaches (so a resume from it finds every record before it, the
+        run's last one included), then the divergence check, whose False means write
+        no checkpoint."""
+        self.metrics_log.log_final(state)
         self.metrics_log.flush()
         return self.divergence.check(state)
 
@@ -362,13 +364,17 @@ class Trainer:
                 )
 
     def _bind_hooks(self) -> None:
-        """Look every hook up once (`slipstream.dispatch.bind`): a hook nobody
-        implements becomes a no-op, plain implementations are called directly."""
+        """Look every hook up once (`slipstream.dispatch`): plain implementations are
+        called directly; a per-batch event nobody implements is None, and the loop
+        skips it."""
         for name in (*hookspecs.EVENTS, *hookspecs.STEPS):
-            setattr(self._hooks, name, bind(self.pm, name))
+            per_batch = name in hookspecs.BATCH_EVENTS
+            setattr(self._hooks, name, bind_event(self.pm, name) if per_batch else bind(self.pm, name))
 
     @property
     def hooks(self) -> SimpleNamespace:
+        """Every hook as the loop calls it, bound when the run starts; the per-batch
+        events (`hookspecs.BATCH_EVENTS`) are None when nobody implements them."""
         return self._hooks
 
     # -- the run -------------------------------------------------------------------
@@ -448,27 +454,36 @@ class Trainer:
         state.batch = self._to_device(batch)
         inputs = state.batch[0]
         samples = (inputs.shape[0] if isinstance(inputs, torch.Tensor) else len(inputs)) * state.world_size
-        h.batch_start(state=state)
+        if h.batch_start:
+            h.batch_start(state=state)
         self.normalize.prepare(state)
-        h.before_forward(state=state)
+        if h.before_forward:
+            h.before_forward(state=state)
         state.outputs = h.forward(state=state)
-        h.after_forward(state=state)
+        if h.after_forward:
+            h.after_forward(state=state)
         state.loss = h.compute_loss(state=state)
-        h.after_loss(state=state)
-        h.before_backward(state=state)
+        if h.after_loss:
+            h.after_loss(state=state)
+        if h.before_backward:
+            h.before_backward(state=state)
         h.backward(state=state)
-        h.after_backward(state=state)
+        if h.after_backward:
+            h.after_backward(state=state)
         if h.should_step(state=state):
-            h.before_optimizer_step(state=state)
+            if h.before_optimizer_step:
+                h.before_optimizer_step(state=state)
             state.step_skipped = h.optimizer_step(state=state) is False
             state.optimizer.zero_grad(set_to_none=True)
             ts.optimizer_steps += 1
-            h.after_optimizer_step(state=state)
+            if h.after_optimizer_step:
+                h.after_optimizer_step(state=state)
         ts.batch += 1
         ts.batch_in_epoch += 1
         ts.samples += samples
         state.tick()
-        h.batch_end(state=state)
+        if h.batch_end:
+            h.batch_end(state=state)
 
     def _epoch_batches(self) -> Iterable[Any]:
         loader, ts = self.state.train_loader, self.state.timestamp

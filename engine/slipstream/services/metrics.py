@@ -121,7 +121,17 @@ class MetricsLogger:
 
     @hookimpl
     def batch_end(self, state: State) -> None:
-        if self._every.due(state.timestamp.batch) or state.is_done():
+        # One comparison on most batches. The run's last interval, when it ends
+        # between marks, is logged by log_final: before the final evaluation or
+        # checkpoint, else at fit_end.
+        step = state.timestamp.batch
+        if step >= self._every.next and self._every.due(step):
+            self.log_train(state)
+
+    def log_final(self, state: State) -> None:
+        """Log the losses since the last record if this is the run's last batch, so
+        the final train record comes before what the run's end writes after it."""
+        if state.is_done():
             self.log_train(state)
 
     def log_train(self, state: State) -> None:
@@ -159,6 +169,7 @@ class MetricsLogger:
 
     @hookimpl
     def eval_start(self, state: State) -> None:
+        self.log_final(state)
         self._eval_started = state.tick()
 
     @hookimpl
@@ -206,8 +217,7 @@ class MetricsLogger:
 
     @hookimpl
     def fit_end(self, state: State) -> None:
-        # A stop asked for later in the last batch_end (a divergence found by the
-        # check before a checkpoint) left that interval unlogged.
+        # The last interval, unless an evaluation or checkpoint at the end logged it.
         self.log_train(state)
         self.close()
 

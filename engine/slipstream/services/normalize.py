@@ -41,18 +41,23 @@ class Normalize:
         self._constants: dict[tuple[torch.device, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def prepare(self, state: State) -> None:
-        """Replace ``state.batch``'s inputs with what the model receives."""
-        state.batch = self(state.batch, state.input_memory_format)
+        """Replace ``state.batch``'s inputs with what the model receives (as
+        :meth:`__call__`, in place of ``state.batch``; the loop calls this every batch,
+        so a batch that is not an image batch costs one test)."""
+        batch = state.batch
+        if isinstance(batch, (tuple, list)) and batch:
+            inputs = batch[0]
+            if isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
+                state.batch = (self.inputs(inputs, state.input_memory_format), *batch[1:])
 
     def __call__(
         self, batch: Any, memory_format: torch.memory_format = torch.preserve_format
     ) -> Any:
-        if not isinstance(batch, (tuple, list)) or not batch:
-            return batch
-        inputs = batch[0]
-        if not isinstance(inputs, torch.Tensor) or inputs.dim() != 4:
-            return batch
-        return (self.inputs(inputs, memory_format), *batch[1:])
+        if isinstance(batch, (tuple, list)) and batch:
+            inputs = batch[0]
+            if isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
+                return (self.inputs(inputs, memory_format), *batch[1:])
+        return batch
 
     def inputs(
         self, inputs: torch.Tensor, memory_format: torch.memory_format = torch.preserve_format
