@@ -61,7 +61,8 @@ class ProgressBar:
 
     @hookimpl
     def batch_end(self, state: State) -> None:
-        if self._redraw.due(time.monotonic()) and self.bar is not None:
+        now = time.monotonic()  # one comparison on most batches
+        if now >= self._redraw.next and self._redraw.due(now) and self.bar is not None:
             self._refresh(state)
 
     def _refresh(self, state: State) -> None:
