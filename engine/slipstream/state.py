@@ -227,13 +227,9 @@ class State:
         return None
 
     def is_done(self) -> bool:
-        if self.stop_requested:
-            return True
-        total = self.max_duration
-        if total.unit == "ep" and self.batches_per_epoch:  # the loop asks every batch: time_in's "ep", inline
-            ts = self.timestamp
-            return ts.epoch + ts.batch_in_epoch / self.batches_per_epoch >= total.value
-        return self.time_in(total.unit) >= total.value
+        return (
+            self.stop_requested or self.time_in(self.max_duration.unit) >= self.max_duration.value
+        )
 
     def request_stop(self, status: str, reason: str) -> None:
         """End the run after the current batch with ``status`` in summary.json and

@@ -35,12 +35,11 @@ def batch_mover(device: torch.device) -> Callable[[Any], Any]:
     tensor = torch.Tensor
 
     def on_cpu(batch: Any) -> Any:
-        if type(batch) is list or type(batch) is tuple:
-            if len(batch) == 2:  # (inputs, targets): tested without a loop
-                x, y = batch
-                if type(x) is tensor and type(y) is tensor and x.is_cpu and y.is_cpu:
-                    return (x, y)
-            elif all(type(item) is tensor and item.is_cpu for item in batch):
+        if type(batch) is tuple or type(batch) is list:
+            for item in batch:
+                if type(item) is not tensor or not item.is_cpu:
+                    break
+            else:
                 return tuple(batch)
         return to_device(batch, device)
 
