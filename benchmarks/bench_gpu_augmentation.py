@@ -6,14 +6,21 @@
     (num_workers 0 and 1), and a loader with no transform for reference.
 (b) End to end, ResNet-18 at 32 px through the real Trainer: no augmentation vs v2
     per-sample augmentation in the loader vs the gpu_augmentation plugin.
+(c) What ``cpu_threads`` costs: short runs of the ``resnet18_fast`` recipe through the
+    Trainer (flips on the CPU at every batch, channels-last) with the augmentation at
+    torch's threads (``cpu_threads: 0``, the default) and at 1 thread (``cpu_threads:
+    1``, a switch of torch's thread count and back every batch), alternated; the
+    median step of each run, and the ratio per pair of runs.
 
-    .venv/bin/python benchmarks/bench_gpu_augmentation.py            # ~3 min
+    .venv/bin/python benchmarks/bench_gpu_augmentation.py            # ~4 min
+    .venv/bin/python benchmarks/bench_gpu_augmentation.py --skip-e2e   # (a) and (c)
     .venv/bin/python benchmarks/bench_gpu_augmentation.py --quick    # seconds
 """
 
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 
 import timm
@@ -28,8 +35,10 @@ from slipstream_gpu_augmentation import (
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
-from common import compare, parser, random_loader, report
+from common import StepClock, compare, parser, random_loader, report
 from slipstream import Algorithm, hookimpl
+from slipstream.config import build_config
+from slipstream.runner import build_trainer
 
 
 class Augmented(Dataset):
@@ -177,6 +186,46 @@ def end_to_end(args) -> None:
         print(f"{name:<28} {1000 * c:>9.1f} {base / c:>8.2f}x")
 
 
+def recipe_step_ms(overrides: list[str], batches: int) -> float:
+    """Median step of a short `resnet18_fast` run (every plugin on, no evaluation)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = build_config(
+            "resnet18_fast",
+            None,
+            [
+                *overrides,
+                f"data.train_size={32 * batches}",
+                "data.val_size=32",
+                f"trainer.max_duration={batches}ba",
+                "trainer.eval_interval=null",
+                f"trainer.run_dir={tmp}/run",
+                "trainer.progress_bar=false",
+                f"trainer.threads={torch.get_num_threads()}",
+            ],
+        )
+        trainer = build_trainer(cfg, verbose=False)
+        clock = StepClock()
+        trainer.pm.register(clock)
+        trainer.fit()
+    return statistics.median(b - a for a, b in zip(clock.times[5:-1], clock.times[6:], strict=True))
+
+
+def thread_switch(args) -> None:
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for _ in range(args.switch_runs):  # alternated, so machine phases hit both alike
+        for threads in times:
+            overrides = [f"algorithms.gpu_augmentation.cpu_threads={threads}"]
+            times[threads].append(recipe_step_ms(overrides, args.switch_batches))
+    ratios = sorted(b / a for a, b in zip(times[0], times[1], strict=True))
+    print(
+        f"(c) resnet18_fast's step with cpu_threads 0 and 1, {args.switch_runs} alternated runs of "
+        f"{args.switch_batches} batches, {torch.get_num_threads()} threads: median step "
+        f"{1e3 * statistics.median(times[0]):.1f} / {1e3 * statistics.median(times[1]):.1f} ms; "
+        f"cpu_threads 1 over 0, per pair of runs: median {ratios[len(ratios) // 2]:.3f}, "
+        f"range {ratios[0]:.3f}-{ratios[-1]:.3f}"
+    )
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--model", default="resnet18")
@@ -185,18 +234,22 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1], help="loader workers in (a)")
     p.add_argument("--e2e-workers", type=int, default=0, help="loader workers for v2 in (b)")
     p.add_argument(
-        "--aug-threads", type=int, default=1, help="the plugin's cpu_threads (0 = --threads)"
+        "--aug-threads", type=int, default=0, help="the plugin's cpu_threads (0 = --threads)"
     )
+    p.add_argument("--switch-runs", type=int, default=10, help="runs per setting in (c)")
+    p.add_argument("--switch-batches", type=int, default=40, help="batches per run in (c)")
     p.add_argument("--skip-e2e", action="store_true", help="only (a)")
     p.set_defaults(steps=5, warmup=1, repeats=3)  # ResNet-18 steps take seconds on a shared CPU
     args = p.parse_args()
     if args.quick:
         args.batch_size, args.aug_batches, args.steps, args.warmup, args.repeats = 16, 3, 2, 1, 1
         args.model, args.workers = "test_resnet", [0]
+        args.switch_runs, args.switch_batches = 1, 8
     torch.set_num_threads(args.threads)
     aug_throughput(args)
     if not args.skip_e2e:
         end_to_end(args)
+    thread_switch(args)
 
 
 if __name__ == "__main__":

@@ -79,9 +79,10 @@ class GpuAugmentationConfig:
     # preset=custom: [{name: RandomHorizontalFlip, p: 0.5}, {name: ColorJitter, brightness: 0.2}]
     custom: list[dict[str, Any]] = field(default_factory=list)
     # Intra-op threads while augmenting a batch that is on the CPU (0 = torch's setting).
-    # kornia runs many small ops: on a busy CPU, threads spin-waiting for each other
-    # made them 7-10x slower at 2 threads than at 1 (see the card).
-    cpu_threads: int = 1
+    # 0 by default: changing torch's thread count and back makes the training step that
+    # follows pay for it (oneDNN's channels-last convolutions 5-18 % slower, see the
+    # card), more than kornia's small ops gain from one thread.
+    cpu_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:

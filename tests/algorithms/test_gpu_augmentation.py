@@ -213,7 +213,7 @@ def test_a_resumed_run_continues_the_same_augmentations(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(whole[4:], resumed, strict=True))
 
 
-def test_augments_a_cpu_batch_with_cpu_threads_and_restores_the_setting():
+def test_augments_a_cpu_batch_with_cpu_threads_and_restores_the_setting(monkeypatch):
     seen: list[int] = []
 
     class Recorder(torch.nn.Module):
@@ -224,13 +224,21 @@ def test_augments_a_cpu_batch_with_cpu_threads_and_restores_the_setting():
     model = torch.nn.Linear(1, 1)
     state = State(model, torch.optim.SGD(model.parameters()), Duration.parse("1ba"))
     state.batch = (torch.rand(2, 3, 8, 8), torch.zeros(2, dtype=torch.long))
+    torch.set_num_threads(2)  # conftest restores the setting after the test
     algo = aug(cpu_threads=1)
     algo.pipeline = Recorder()
-    torch.set_num_threads(2)  # conftest restores the setting after the test
     algo.batch_start(state)
     assert seen == [1] and torch.get_num_threads() == 2
-    aug(cpu_threads=0).batch_start(state)  # 0: torch's setting, untouched
-    assert torch.get_num_threads() == 2
+
+    # By default torch's thread count is never changed: switching it and back slows
+    # the training step that follows (the card), so not even a same-value call.
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    algo = aug()
+    assert algo.config.cpu_threads == 0
+    algo.pipeline = Recorder()
+    algo.batch_start(state)
+    assert seen == [1, 2] and calls == []
 
 
 class FakeCurriculum(Probe):
