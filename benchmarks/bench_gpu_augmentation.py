@@ -186,8 +186,8 @@ def end_to_end(args) -> None:
         print(f"{name:<28} {1000 * c:>9.1f} {base / c:>8.2f}x")
 
 
-def recipe_step_ms(overrides: list[str], batches: int) -> float:
-    """Median step of a short `resnet18_fast` run (every plugin on, no evaluation)."""
+def recipe_step_s(overrides: list[str], batches: int) -> float:
+    """Median step, in seconds, of a short `resnet18_fast` run (every plugin on, no evaluation)."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = build_config(
             "resnet18_fast",
@@ -215,7 +215,7 @@ def thread_switch(args) -> None:
     for _ in range(args.switch_runs):  # alternated, so machine phases hit both alike
         for threads in times:
             overrides = [f"algorithms.gpu_augmentation.cpu_threads={threads}"]
-            times[threads].append(recipe_step_ms(overrides, args.switch_batches))
+            times[threads].append(recipe_step_s(overrides, args.switch_batches))
     ratios = sorted(b / a for a, b in zip(times[0], times[1], strict=True))
     print(
         f"(c) resnet18_fast's step with cpu_threads 0 and 1, {args.switch_runs} alternated runs of "
@@ -238,7 +238,7 @@ def main() -> None:
     )
     p.add_argument("--switch-runs", type=int, default=10, help="runs per setting in (c)")
     p.add_argument("--switch-batches", type=int, default=40, help="batches per run in (c)")
-    p.add_argument("--skip-e2e", action="store_true", help="only (a)")
+    p.add_argument("--skip-e2e", action="store_true", help="leave out (b)")
     p.set_defaults(steps=5, warmup=1, repeats=3)  # ResNet-18 steps take seconds on a shared CPU
     args = p.parse_args()
     if args.quick:

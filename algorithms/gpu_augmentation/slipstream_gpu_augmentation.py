@@ -79,9 +79,9 @@ class GpuAugmentationConfig:
     # preset=custom: [{name: RandomHorizontalFlip, p: 0.5}, {name: ColorJitter, brightness: 0.2}]
     custom: list[dict[str, Any]] = field(default_factory=list)
     # Intra-op threads while augmenting a batch that is on the CPU (0 = torch's setting).
-    # 0 by default: changing torch's thread count and back makes the training step that
-    # follows pay for it (oneDNN's channels-last convolutions 5-18 % slower, see the
-    # card), more than kornia's small ops gain from one thread.
+    # 0 by default: changing torch's thread count and back can make the training step
+    # that follows pay far more than kornia's small ops gain from one thread (a median
+    # 15 % slower step in one measurement, none in another: see the card).
     cpu_threads: int = 0
 
     def __post_init__(self) -> None:
