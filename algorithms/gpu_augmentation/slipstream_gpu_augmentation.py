@@ -81,7 +81,7 @@ class GpuAugmentationConfig:
     # Intra-op threads while augmenting a batch that is on the CPU (0 = torch's setting).
     # 0 by default: changing torch's thread count and back can make the training step
     # that follows pay far more than kornia's small ops gain from one thread (a median
-    # 15 % slower step in one measurement, none in another: see the card).
+    # 15 % slower step in one measurement, none in two others: see the card).
     cpu_threads: int = 0
 
     def __post_init__(self) -> None:
