@@ -204,7 +204,9 @@ class ServicesInLoop(Trainer):
     implementations, everything else as the engine has it: what keeping the services
     on the hook bus (ARCHITECTURE.md) costs. A measurement, not a proposal: it reaches
     into the services' private state, and runs only the fast paths of this workload
-    (plain CPU tensors, fixed input size)."""
+    (plain CPU tensors, fixed input size). Its loop is ``Trainer._train_batch`` as of
+    1b7a92f with the three services written in; copy it again when that loop changes,
+    or the comparison measures an old loop."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
