@@ -57,15 +57,17 @@ class SigtermOnce(Probe):
 
 @pytest.mark.parametrize("cut", ["sigterm", "max_duration"])
 def test_a_preempted_run_continued_by_autoresume_ends_bit_identical(tmp_path, cut):
-    straight = train(tmp_path / "straight", [SigtermOnce(at=-1)], max_duration="7ba", checkpoint_interval=None)
+    # No evaluation: it neither draws random numbers nor changes weights, only costs time.
+    straight = train(tmp_path / "straight", [SigtermOnce(at=-1)], max_duration="7ba", checkpoint_interval=None,
+                     eval_interval=None)
     probe = SigtermOnce(at=3 if cut == "sigterm" else -1)
     first_duration = "7ba" if cut == "sigterm" else "3ba"
-    first = train(tmp_path / "split", [probe], max_duration=first_duration, autoresume=True)
+    first = train(tmp_path / "split", [probe], max_duration=first_duration, autoresume=True, eval_interval=None)
     assert first.state.timestamp.batch == 3
     if cut == "sigterm":
         assert json.loads((first.run_dir / "summary.json").read_text())["status"] == "interrupted"
     probe.sent = True  # the requeued job is not signalled again
-    resumed = train(tmp_path / "split", [probe], max_duration="7ba", autoresume=True)
+    resumed = train(tmp_path / "split", [probe], max_duration="7ba", autoresume=True, eval_interval=None)
     assert resumed.state.timestamp.batch == 7
     assert json.loads((resumed.run_dir / "summary.json").read_text())["status"] == "completed"
     for a, b in zip(_params(straight), _params(resumed), strict=True):
@@ -290,7 +292,8 @@ def test_own_model_optimizer_and_loss_by_import_path(user_module, tmp_path):
     run = tmp_path / "run"
     code = main(["train", "-q", "-r", "default", "--algorithms", "no:stepwise_lr,no:mixed_precision,no:channels_last",
                  "model.name=my_models:build_net", "model.kwargs.width=4", "optimizer.name=my_models:Momentumless",
-                 "optimizer.lr=0.1", "optimizer.kwargs.scale=0.5", "loss.name=my_models:smooth_ce", "loss.kwargs.smoothing=0.1",
+                 "optimizer.lr=0.1", "optimizer.kwargs.scale=0.5",
+                 "loss.name=my_models:smooth_ce", "loss.kwargs.smoothing=0.1",
                  "data.train_size=32", "data.val_size=16", "data.image_size=16", "data.batch_size=16",
                  "trainer.max_duration=2ba", "trainer.threads=1", f"trainer.run_dir={run}"])
     assert code == 0

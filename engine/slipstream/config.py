@@ -437,6 +437,8 @@ def warn_no_ops(cfg: DictConfig) -> None:
         ignored.append("trainer.checkpoint_keep is ignored: trainer.checkpoint_interval=null")
     if t.eval_interval is None and changed("data.eval_batch_size"):
         ignored.append("data.eval_batch_size is ignored: trainer.eval_interval=null")
+    if cfg.optimizer.head is not None and cfg.optimizer.backbone_lr_scale is None:
+        ignored.append("optimizer.head is ignored: only optimizer.backbone_lr_scale reads it")
     if d.persistent_workers and d.num_workers == 0:
         ignored.append("data.persistent_workers is ignored: data.num_workers=0 starts no workers")
     for message in ignored:

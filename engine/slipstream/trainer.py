@@ -94,6 +94,14 @@ class Trainer:
     numbers) is the device's peak for MFU; by default it is probed once per machine.
     ``best_metric`` (``"accuracy"``, ``"loss"`` or None) is the eval metric whose
     best value ``checkpoints/best.pt`` keeps.
+
+    ``autoresume=True`` (with a fixed ``run_dir``) continues the run there from its
+    ``latest.pt`` when it has one, as ``load_path`` would, and refuses one whose config
+    differs in what changes training; without one the run starts. Fine-tuning:
+    ``load_weights_only=True`` takes only the model weights from ``load_path``, leaving
+    those matching the globs ``load_ignore_keys`` as initialised, from the weights
+    ``load_weights`` names (``"model"``, or a plugin's such as ``"ema"``). See
+    docs/workflows.md.
     """
 
     def __init__(
