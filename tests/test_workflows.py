@@ -55,11 +55,16 @@ class SigtermOnce(Probe):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    # No evaluation in these runs: it neither draws random numbers nor changes weights.
+    run = train(tmp_path_factory.mktemp("straight"), [SigtermOnce(at=-1)], max_duration="7ba",
+                checkpoint_interval=None, eval_interval=None)
+    return _params(run)
+
+
 @pytest.mark.parametrize("cut", ["sigterm", "max_duration"])
-def test_a_preempted_run_continued_by_autoresume_ends_bit_identical(tmp_path, cut):
-    # No evaluation: it neither draws random numbers nor changes weights, only costs time.
-    straight = train(tmp_path / "straight", [SigtermOnce(at=-1)], max_duration="7ba", checkpoint_interval=None,
-                     eval_interval=None)
+def test_a_preempted_run_continued_by_autoresume_ends_bit_identical(tmp_path, cut, uninterrupted):
     probe = SigtermOnce(at=3 if cut == "sigterm" else -1)
     first_duration = "7ba" if cut == "sigterm" else "3ba"
     first = train(tmp_path / "split", [probe], max_duration=first_duration, autoresume=True, eval_interval=None)
@@ -70,7 +75,7 @@ def test_a_preempted_run_continued_by_autoresume_ends_bit_identical(tmp_path, cu
     resumed = train(tmp_path / "split", [probe], max_duration="7ba", autoresume=True, eval_interval=None)
     assert resumed.state.timestamp.batch == 7
     assert json.loads((resumed.run_dir / "summary.json").read_text())["status"] == "completed"
-    for a, b in zip(_params(straight), _params(resumed), strict=True):
+    for a, b in zip(uninterrupted, _params(resumed), strict=True):
         assert torch.equal(a, b)
 
 

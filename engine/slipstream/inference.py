@@ -83,6 +83,10 @@ def rebuild(
             "slipstream.checkpoint.load_weights"
         )
     select_weights(payload, weights, checkpoint)  # a missing kind fails before any work
+    trainer_saved = dict(saved.get("trainer") or {})
+    if str(trainer_saved.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
+        # Trained on a GPU, looked at on a machine without one.
+        saved = {**saved, "trainer": {**trainer_saved, "device": "auto"}}
     cfg = build_config(recipe, None, list(overrides), base=saved)
     installed = discover(load=False)
     # The weights are chosen here, not by a plugin swapping its own in at evaluation.
