@@ -56,7 +56,17 @@ class SigtermOnce(Probe):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def one_thread():
+    # Module fixtures run before conftest's per-test one thread; bit-identical
+    # comparisons need the same thread count on both sides.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, one_thread):
     # No evaluation in these runs: it neither draws random numbers nor changes weights.
     run = train(tmp_path_factory.mktemp("straight"), [SigtermOnce(at=-1)], max_duration="7ba",
                 checkpoint_interval=None, eval_interval=None)
@@ -96,7 +106,7 @@ def test_autoresume_starts_fresh_and_refuses_a_changed_config(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cli_run(tmp_path_factory):
+def cli_run(tmp_path_factory, one_thread):
     """A 10-class run with EMA, channels-last and activation checkpointing, trained by
     the CLI with autoresume in two parts (2 then 4 batches)."""
     root = tmp_path_factory.mktemp("cli")
