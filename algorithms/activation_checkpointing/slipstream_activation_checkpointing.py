@@ -85,6 +85,25 @@ def checkpoint_module(module: nn.Module) -> None:
     module.forward = types.MethodType(_checkpointed_forward, module)
 
 
+def uncheckpoint_module(module: nn.Module) -> None:
+    """Undo :func:`checkpoint_module`: the module's own ``forward`` again."""
+    if _INNER in vars(module):
+        del module.forward
+        delattr(module, _INNER)
+
+
+def remove_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Undo both paths in place (timm's flag and wrapped forwards); returns ``model``."""
+    if _has_timm_checkpointing(model):
+        try:
+            model.set_grad_checkpointing(False)
+        except (AssertionError, NotImplementedError):  # timm's "not supported"
+            pass
+    for module in model.modules():
+        uncheckpoint_module(module)
+    return model
+
+
 def checkpointed_modules(model: nn.Module) -> list[str]:
     """Names of the submodules of ``model`` wrapped by :func:`checkpoint_module`."""
     return [name for name, m in model.named_modules() if _INNER in vars(m)]
@@ -260,3 +279,8 @@ class ActivationCheckpointing(Algorithm):
                 raise ConfigError(f"{key}.modules: {exc}") from None
             self.path = "modules"
         state.summary["activation_checkpointing"] = {"path": self.path, "modules": self.wrapped}
+
+    def export_model(self, model: nn.Module) -> nn.Module:
+        """Undone in an export: recomputation only saves training memory, and its
+        checkpoint calls would end up in a traced or exported graph."""
+        return remove_activation_checkpointing(model)

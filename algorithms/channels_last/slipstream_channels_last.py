@@ -99,3 +99,8 @@ class ChannelsLast(Algorithm):
         # after all batch transforms, in the pass that normalises it: no extra copy.
         state.input_memory_format = torch.channels_last
         self.active = True
+
+    def export_model(self, model: nn.Module) -> nn.Module:
+        """Kept in an export: NHWC weights give the same results on NCHW inputs, and
+        an inference runtime that prefers NHWC (oneDNN, cuDNN) gets them as trained."""
+        return model

@@ -156,6 +156,9 @@ class EMA(Algorithm):
 
     name = "ema"
     config_class = EMAConfig
+    # The average is kept under state_dict()["weights"] with the model's names, so that
+    # `slipstream eval --ema`, export and fine-tuning (trainer.load_weights=ema) use it.
+    weights = "ema"
     # Average the final parameters (the shards, once fsdp has sharded them).
     runs_after = ("locality_ffn", "channels_last", "fsdp")
     runs_before = ("torch_compile",)  # copy the plain module, not the compiled one

@@ -144,3 +144,8 @@ class LocalityFFN(Algorithm):
         _join_group_of(state.optimizer, fc1.weight, [p for p in new if p.ndim > 1])
         _join_group_of(state.optimizer, fc1.bias, [p for p in new if p.ndim <= 1])
         state.summary["locality_ffn_parameters"] = sum(p.numel() for p in new)
+
+    def export_model(self, model: nn.Module) -> nn.Module:
+        """Kept in an export: the convolutions are part of the trained network (their
+        weights are learnt); removing them would change its outputs."""
+        return model

@@ -13,6 +13,7 @@ does not fit (naming the model and optimizer that wrote it).
 
 from __future__ import annotations
 
+import fnmatch
 import random
 import sys
 from collections.abc import Mapping, Sequence
@@ -171,7 +172,9 @@ def checkpoint_payload(
     hook relay: its ``state_dicts`` step gives the model's and optimizer's state (a
     parallelism plugin's, or the plain ``state_dict()``s without one)."""
     plugins = {
-        record["name"]: {**record, "state": plugin.state_dict()}
+        # A plugin that keeps model weights says which (see Plugin.weights), so that a
+        # reader can select them without importing the plugin.
+        record["name"]: {**record, "state": plugin.state_dict(), **_weights_tag(plugin)}
         for plugin, record in zip([*state.algorithms, *state.callbacks], algorithms, strict=True)
     }
     state_dicts = _state_dicts(state, hook)  # every rank: may gather shards
@@ -187,6 +190,161 @@ def checkpoint_payload(
         "world_size": state.world_size,
         "versions": library_versions(),
     }
+
+
+def _weights_tag(plugin: Any) -> dict[str, str]:
+    kind = getattr(plugin, "weights", None)
+    return {"weights": kind} if isinstance(kind, str) and kind else {}
+
+
+def weights_in(payload: Mapping[str, Any]) -> list[str]:
+    """The model weights checkpoint ``payload`` holds: ``model``, then those its
+    plugins keep (``ema``)."""
+    kept = [p["weights"] for p in payload.get("plugins", {}).values() if p.get("weights")]
+    return ["model", *kept]
+
+
+def select_weights(payload: Mapping[str, Any], weights: str, path: str | Path) -> dict[str, Any]:
+    """The state_dict of the model weights named ``weights`` (see :func:`weights_in`)
+    in ``payload``, or a CheckpointError naming those it holds."""
+    if payload.get("shards"):
+        raise CheckpointError(
+            f"checkpoint {path} is sharded (torch.distributed.checkpoint): loading its weights "
+            "alone needs a full checkpoint (algorithms.fsdp.sharded_checkpoint=false)"
+        )
+    if weights == "model":
+        return payload["model"]
+    for record in payload.get("plugins", {}).values():
+        if record.get("weights") == weights and (record.get("state") or {}).get("weights"):
+            return record["state"]["weights"]
+    raise CheckpointError(
+        f"checkpoint {path} holds no {weights!r} weights; it holds: {', '.join(weights_in(payload))}"
+    )
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _listed(names: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def load_weights(
+    model: torch.nn.Module,
+    path: str | Path,
+    *,
+    ignore_keys: Sequence[str] = (),
+    weights: str = "model",
+    verbose: bool = False,
+    payload: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Load the model weights of checkpoint ``path`` into ``model`` (fine-tuning:
+    no optimizer, schedule or counters), leaving the parameters and buffers that
+    match the glob patterns ``ignore_keys`` as they are (a new head). ``weights``
+    selects the model's own weights or a plugin's (``ema``). Every other weight must
+    fit: missing, unexpected and mis-shaped ones are one CheckpointError listing
+    them. Returns the names of the weights left as they were."""
+    device = next(iter(model.state_dict().values()), torch.empty(0)).device
+    payload = payload if payload is not None else load_checkpoint(path, map_location=device)
+    saved = select_weights(payload, weights, path)
+    own = model.state_dict()
+    kept = {k: v for k, v in saved.items() if not _matches(k, ignore_keys)}
+    ignored = [k for k in own if _matches(k, ignore_keys)]
+    missing = [k for k in own if k not in kept and k not in ignored]
+    unexpected = [k for k in kept if k not in own]
+    shapes = [
+        f"{k} {tuple(kept[k].shape)} vs {tuple(own[k].shape)}"
+        for k in kept
+        if k in own and isinstance(kept[k], torch.Tensor) and kept[k].shape != own[k].shape
+    ]
+    problems = [
+        f"{label}: {_listed(names)}"
+        for label, names in (
+            ("missing from the checkpoint", missing),
+            ("unexpected (not in this model)", unexpected),
+            ("of another shape (checkpoint vs model)", shapes),
+        )
+        if names
+    ]
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path}: its {weights} weights do not fit {type(model).__name__}; "
+            + "; ".join(problems)
+            + ". Leave such weights at their initialisation with trainer.load_ignore_keys "
+            "(globs, e.g. ['head.*'] for a new classifier)"
+        )
+    with torch.no_grad():
+        model.load_state_dict(kept, strict=False)
+    if verbose:
+        note = f"; left as initialised: {_listed(ignored)}" if ignored else ""
+        print(
+            f"slipstream: loaded {len(kept)} {weights} weights from {path} (weights only){note}",
+            file=sys.stderr,
+        )
+    return ignored
+
+
+# Settings that do not change what a run computes: a requeued run may change them
+# (trainer.max_duration included: a run cut short by it continues to the new one).
+RESUME_MAY_CHANGE = (
+    "trainer.run_dir",
+    "trainer.autoresume",
+    "trainer.load_path",
+    "trainer.load_weights_only",
+    "trainer.load_ignore_keys",
+    "trainer.load_weights",
+    "trainer.overwrite",
+    "trainer.max_duration",
+    "trainer.progress_bar",
+    "trainer.verbose",
+    "trainer.log_interval",
+    "trainer.checkpoint_interval",
+    "trainer.checkpoint_keep",
+    "trainer.eval_interval",
+    "trainer.best_metric",
+    "trainer.target_accuracy",
+    "trainer.stop_at_target",
+    "trainer.threads",
+    "trainer.device",
+    "trainer.peak_tflops",
+    "trainer.on_nonfinite",
+    "data.root",
+    "data.download",
+    "data.num_workers",
+    "data.pin_memory",
+    "data.persistent_workers",
+    "data.eval_batch_size",
+    "callbacks",
+)
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, Mapping) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: list(value) if isinstance(value, tuple) else value}
+
+
+def config_differences(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> list[str]:
+    """The keys whose values differ between a checkpoint's config and this run's, in
+    a way that changes training (not :data:`RESUME_MAY_CHANGE`). A key only one side
+    has counts where it enables a plugin (``algorithms.<name>``); other keys that one
+    side lacks come from another version and are left out."""
+    old, new = _flat(dict(saved or {})), _flat(dict(current or {}))
+
+    def may_change(key: str) -> bool:
+        return any(key == k or key.startswith(k + ".") for k in RESUME_MAY_CHANGE)
+
+    differ = {k for k in old.keys() & new.keys() if old[k] != new[k] and not may_change(k)}
+    for key in old.keys() ^ new.keys():
+        parts = key.split(".")
+        if parts[0] == "algorithms" and len(parts) >= 2:
+            differ.add(".".join(parts[:2]))
+    return sorted(differ)
 
 
 def _state_dicts(state: State, hook: Any) -> dict[str, Any]:

@@ -7,6 +7,8 @@ slipstream callbacks [--json] [--check]
 slipstream recipes [--json]
 slipstream sweep --recipe R --trials N [--sweep-dir D] [--metric accuracy] [--direction maximize]
                  key=loguniform(a,b) key=uniform(a,b) key=int(a,b) key=choice(x,y) [key=value ...]
+slipstream eval --checkpoint PATH [--recipe R] [--ema | --weights W] [-o metrics.json] [key=value ...]
+slipstream export --checkpoint PATH --format torchscript|onnx|exported-program -o FILE [--ema] [key=value ...]
 slipstream plot RUN_DIR [RUN_DIR ...] [-o runs.png]
 slipstream compare RUN_DIR [RUN_DIR ...] [--target 0.6] [--json]
 """
@@ -144,6 +146,38 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_listing(sub, "callbacks", "callback")
 
+    evaluate = sub.add_parser(
+        "eval",
+        help="evaluate a checkpoint; prints the metrics as JSON and writes them",
+        description="Evaluate a checkpoint on its run's eval data, or on what --recipe and "
+        "key=value overrides give (e.g. data.name=cifar10 data.root=...). Prints the metrics "
+        "as JSON and writes them to -o (default: eval.json beside the checkpoint's run).",
+    )
+    export = sub.add_parser(
+        "export",
+        help="export a checkpoint's model for inference (checked against the eager model)",
+        description="Write the checkpoint's model as TorchScript (a trace), ONNX or a "
+        "torch.export ExportedProgram, with each plugin's model surgery kept or undone as the "
+        "plugin declares, and check the file's outputs against the eager model on a batch. "
+        "The model takes normalised inputs; the mean and std are printed.",
+    )
+    for command in (evaluate, export):
+        command.add_argument("--checkpoint", "-c", required=True, help="a checkpoint file or a run directory")
+        command.add_argument("--recipe", "-r", default=None, help="a recipe on top of the checkpoint's config")
+        command.add_argument(
+            "--weights",
+            default="model",
+            help="which weights: model (default) or one a plugin keeps in the checkpoint, e.g. ema",
+        )
+        command.add_argument("--ema", action="store_true", help="the EMA weights (same as --weights ema)")
+        command.add_argument(
+            "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_size=500"
+        )
+    evaluate.add_argument("--output", "-o", default=None, help="the metrics JSON file")
+    export.add_argument("--format", "-f", required=True, choices=("torchscript", "onnx", "exported-program"))
+    export.add_argument("--output", "-o", required=True, help="the file to write")
+    export.add_argument("--no-check", action="store_true", help="skip the comparison with the eager model")
+
     recipes = sub.add_parser("recipes", help="list bundled recipes")
     recipes.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -177,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Options and key=value overrides may come in any order: argparse gives the
     # overrides after the first option back as extras, which join the others in order.
     args, extras = parser.parse_known_args(argv)
-    takes_pairs = args.command in ("train", "sweep")
+    takes_pairs = args.command in ("train", "sweep", "eval", "export")
     unknown = [e for e in extras if not takes_pairs or e.startswith("-") or "=" not in e]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -415,6 +449,53 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _weights(args: argparse.Namespace) -> str:
+    if args.ema and args.weights not in ("model", "ema"):
+        raise ConfigError(f"--ema and --weights {args.weights} choose different weights; give one")
+    return "ema" if args.ema else args.weights
+
+
+def _default_eval_output(checkpoint: Path) -> Path:
+    """eval.json (eval-ema.json, ...) in the run directory of ``checkpoint``."""
+    run = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    if run.name == "checkpoints":
+        run = run.parent
+    return run
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .inference import evaluate_checkpoint
+
+    weights = _weights(args)
+    checkpoint = Path(args.checkpoint)
+    output = args.output
+    if output is None:
+        name = "eval.json" if weights == "model" else f"eval-{weights}.json"
+        output = _default_eval_output(checkpoint) / name
+    metrics = evaluate_checkpoint(
+        checkpoint, recipe=args.recipe, overrides=args.overrides, weights=weights, output=output
+    )
+    print(json.dumps(metrics, indent=2))
+    print(f"slipstream: metrics written to {output}", file=sys.stderr)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .inference import export_checkpoint
+
+    result = export_checkpoint(
+        Path(args.checkpoint),
+        args.format,
+        Path(args.output),
+        recipe=args.recipe,
+        overrides=args.overrides,
+        weights=_weights(args),
+        check=not args.no_check,
+    )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def _recipes(args: argparse.Namespace) -> int:
     from .recipes import bundled, description
 
@@ -462,6 +543,8 @@ _COMMANDS = {
     "callbacks": _callbacks,
     "recipes": _recipes,
     "sweep": _sweep,
+    "eval": _eval,
+    "export": _export,
     "plot": _plot,
     "compare": _compare,
 }

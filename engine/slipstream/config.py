@@ -24,7 +24,9 @@ from .services.target import check_target
 
 @dataclass
 class ModelConfig:
-    name: str = "resnet18"  # timm or torchvision name; prefix "timm/" or "torchvision/" to choose
+    # timm or torchvision name (prefix "timm/" or "torchvision/" to choose), or an import
+    # path "package.module:build_net" called with num_classes and kwargs
+    name: str = "resnet18"
     num_classes: Optional[int] = None  # None: the dataset's
     cifar_stem: bool = False  # 3x3 stride-1 stem, no max-pool: ResNets at 32 px
     pretrained: bool = False
@@ -51,7 +53,7 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "sgd"  # sgd | adamw | adafactor
+    name: str = "sgd"  # sgd | adamw | adafactor | an import path "package.module:Optimizer"
     lr: float = 0.1
     weight_decay: float = 5e-4
     momentum: float = 0.9  # sgd
@@ -59,6 +61,19 @@ class OptimizerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
     eps: Optional[float] = None  # None: the optimizer's default
     impl: str = "auto"  # auto | fused | foreach | for_loop
+    kwargs: dict[str, Any] = field(default_factory=dict)  # more keywords for the optimizer
+    # Fine-tuning, at most one: the backbone's LR is lr x backbone_lr_scale (the head,
+    # `head` globs or the model's classifier, keeps lr), or layer-wise decay (timm's
+    # --layer-decay: each layer's LR is lr x layer_decay ** its depth from the top).
+    backbone_lr_scale: Optional[float] = None
+    layer_decay: Optional[float] = None
+    head: Optional[list[str]] = None  # globs of the head's parameter names; None: the classifier
+
+
+@dataclass
+class LossConfig:
+    name: str = "cross_entropy"  # cross_entropy | an import path "package.module:loss"
+    kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. label_smoothing: 0.1
 
 
 @dataclass
@@ -80,6 +95,11 @@ class TrainerConfig:
     checkpoint_interval: Optional[str] = "1ep"  # None: no checkpoints at all
     checkpoint_keep: int = 2  # interval checkpoints kept besides latest.pt
     load_path: Optional[str] = None  # a checkpoint to resume from
+    # Continue the run in run_dir from its latest.pt when there is one (a requeued job).
+    autoresume: bool = False
+    load_weights_only: bool = False  # load_path gives the model weights only: fine-tuning
+    load_ignore_keys: list[str] = field(default_factory=list)  # globs of weights not loaded
+    load_weights: str = "model"  # model | a plugin's weights in the checkpoint, e.g. ema
     overwrite: bool = False  # clear the run files of a run_dir that already holds a run
     on_nonfinite: str = "stop"  # stop | warn: what a NaN or infinite training loss does
     best_metric: Optional[str] = "accuracy"  # accuracy | accuracy_top5 | loss | null: what best.pt keeps
@@ -99,6 +119,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # name -> options; presence enables the algorithm.
     algorithms: dict[str, Any] = field(default_factory=dict)
@@ -110,6 +131,7 @@ SECTIONS = {
     "model": ModelConfig,
     "data": DataConfig,
     "optimizer": OptimizerConfig,
+    "loss": LossConfig,
     "trainer": TrainerConfig,
 }
 # Sections that map plugin names to their options, and each one's entry-point group.
@@ -141,6 +163,19 @@ def load_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]
     parent_path = find_recipe(str(parent), relative_to=path.parent)
     base = load_recipe_file(parent_path, (*_seen, path))
     return OmegaConf.to_container(OmegaConf.merge(base, raw))  # type: ignore[return-value]
+
+
+def known_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` without the sections and keys this version's schema lacks (a config
+    written by another version, or a Python API run's description)."""
+    out: dict[str, Any] = {}
+    for section, values in cfg.items():
+        if section in PLUGIN_SECTIONS and isinstance(values, dict):
+            out[section] = values
+        elif section in SECTIONS and isinstance(values, dict):
+            fields = {f.name for f in dataclasses.fields(SECTIONS[section])}
+            out[section] = {k: v for k, v in values.items() if k in fields}
+    return out
 
 
 def check_keys(cfg: dict[str, Any], source: str) -> None:
@@ -212,10 +247,15 @@ def build_config(
     algorithms: str | None = None,
     overrides: list[str] | None = None,
     callbacks: str | None = None,
+    base: dict[str, Any] | None = None,
 ) -> DictConfig:
-    """Resolve a run's configuration in the documented merge order."""
+    """Resolve a run's configuration in the documented merge order. ``base`` (a
+    checkpoint's config, for eval and export) goes under the recipe; keys this
+    version does not know are dropped from it."""
     merged = OmegaConf.structured(RunConfig)
     layers: list[tuple[str, dict[str, Any]]] = []
+    if base:
+        layers.append(("the checkpoint's config", known_keys(base)))
     if recipe is not None:
         path = find_recipe(str(recipe))
         layers.append((f"recipe {path}", load_recipe_file(path)))
@@ -397,6 +437,8 @@ def warn_no_ops(cfg: DictConfig) -> None:
         ignored.append("trainer.checkpoint_keep is ignored: trainer.checkpoint_interval=null")
     if t.eval_interval is None and changed("data.eval_batch_size"):
         ignored.append("data.eval_batch_size is ignored: trainer.eval_interval=null")
+    if cfg.optimizer.head is not None and cfg.optimizer.backbone_lr_scale is None:
+        ignored.append("optimizer.head is ignored: only optimizer.backbone_lr_scale reads it")
     if d.persistent_workers and d.num_workers == 0:
         ignored.append("data.persistent_workers is ignored: data.num_workers=0 starts no workers")
     for message in ignored:

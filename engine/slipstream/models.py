@@ -1,7 +1,9 @@
-"""Models by name from timm or torchvision."""
+"""Models by name from timm or torchvision, or by import path from a user's package."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import timm
@@ -9,6 +11,7 @@ import torchvision
 from torch import nn
 
 from .errors import ConfigError, SlipstreamError, describe, did_you_mean, network_failure
+from .imports import call_with, import_object, is_import_path
 
 
 def _timm_names() -> list[str]:
@@ -44,7 +47,14 @@ def build_model(
 ) -> nn.Module:
     """``name`` is a timm model, a torchvision model, or either with a ``timm/`` or
     ``torchvision/`` prefix to choose. timm ViTs are built with ``dynamic_img_size``
-    so an image-size curriculum needs no parameter surgery."""
+    so an image-size curriculum needs no parameter surgery.
+
+    ``name`` may also be an import path, ``my_package.models:build_net``: a function
+    (or class) called with ``num_classes`` and ``kwargs`` (and ``image_size`` and
+    ``pretrained`` where it takes them) that returns an ``nn.Module``."""
+    if is_import_path(name):
+        model = _build_imported(name, num_classes, image_size, pretrained, kwargs)
+        return apply_cifar_stem(model) if cifar_stem else model
     source, _, bare = name.rpartition("/")
     if source not in ("", "timm", "torchvision"):
         raise ConfigError(f"model.name {name!r}: the prefix must be 'timm/' or 'torchvision/'")
@@ -70,6 +80,29 @@ def build_model(
         raise _model_error(exc, f"{library}/{bare}", num_classes, pretrained, kwargs) from None
     if cifar_stem:
         apply_cifar_stem(model)
+    return model
+
+
+def _build_imported(
+    path: str, num_classes: int, image_size: int | None, pretrained: bool, kwargs: dict[str, Any]
+) -> nn.Module:
+    build = import_object(path, "model.name")
+    given = {"num_classes": num_classes, **kwargs}
+    try:
+        params = inspect.signature(build).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: pass the minimum
+        params = {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for key, value in (("image_size", image_size), ("pretrained", pretrained)):
+        if key in params or (takes_any and key == "pretrained" and pretrained):
+            given.setdefault(key, value)
+    if pretrained and "pretrained" not in given:
+        raise ConfigError(f"model.name={path!r} takes no 'pretrained' argument; set model.pretrained=false")
+    model = call_with(build, "model.name", path, **given)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model.name={path!r} returned {type(model).__name__}, not a torch.nn.Module"
+        )
     return model
 
 
@@ -113,3 +146,28 @@ def _model_error(
     if isinstance(exc, (TypeError, ValueError, AssertionError, RuntimeError, KeyError)):
         return ConfigError(f"model {name} cannot be built with {given}: {describe(exc)}")
     raise exc
+
+
+LOSSES = ("cross_entropy",)
+
+
+def build_loss(name: str = "cross_entropy", **kwargs: Any) -> Any:
+    """The training loss, called as ``loss(outputs, targets)``: ``cross_entropy``
+    (``torch.nn.CrossEntropyLoss(**kwargs)``, e.g. ``label_smoothing``) or an import
+    path to a class (built with ``kwargs``) or a function (``kwargs`` bound to it)."""
+    if is_import_path(name):
+        obj = import_object(name, "loss.name")
+        if isinstance(obj, type):
+            return call_with(obj, "loss.name", name, **kwargs)
+        if not callable(obj):
+            raise ConfigError(f"loss.name={name!r} is not callable")
+        return functools.partial(obj, **kwargs) if kwargs else obj
+    if name == "cross_entropy":
+        try:
+            return nn.CrossEntropyLoss(**kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"loss.kwargs={kwargs}: {exc}") from None
+    raise ConfigError(
+        f"loss.name {name!r} is not supported; use {', '.join(LOSSES)} or an import path "
+        "('package.module:name') to a loss class or function"
+    )

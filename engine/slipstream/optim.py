@@ -4,19 +4,29 @@ faster than the for-loop; foreach is slower than the for-loop there)."""
 
 from __future__ import annotations
 
+import fnmatch
 import inspect
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from .errors import ConfigError
+from .imports import import_object, is_import_path
 
 OPTIMIZERS = ("sgd", "adamw", "adafactor")
 IMPLS = ("auto", "fused", "foreach", "for_loop")
 
 
 def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    if is_import_path(name):
+        cls = import_object(name, "optimizer.name")
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ConfigError(
+                f"optimizer.name={name!r} is not a torch.optim.Optimizer subclass"
+            )
+        return cls
     if name == "sgd":
         return torch.optim.SGD
     if name == "adamw":
@@ -28,7 +38,8 @@ def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 
         return Adafactor
     raise ConfigError(
-        f"optimizer.name {name!r} is not supported; choose one of {', '.join(OPTIMIZERS)}"
+        f"optimizer.name {name!r} is not supported; choose one of {', '.join(OPTIMIZERS)} "
+        "or give an import path to a torch.optim.Optimizer subclass ('package.module:Class')"
     )
 
 
@@ -67,22 +78,44 @@ def build_optimizer(
     eps: float | None = None,
     impl: str = "auto",
     device: torch.device | str = "cpu",
+    kwargs: Mapping[str, Any] | None = None,
+    layer_decay: float | None = None,
+    backbone_lr_scale: float | None = None,
+    head: Sequence[str] | None = None,
 ) -> torch.optim.Optimizer:
     """Build the named optimizer over the model's trainable parameters.
 
-    Norm and bias parameters get no weight decay, as in timm's recipes.
+    Norm and bias parameters get no weight decay, as in timm's recipes. ``name`` is
+    sgd, adamw, adafactor or an import path to a ``torch.optim.Optimizer`` subclass
+    (``package.module:Class``), built with ``lr``, ``weight_decay`` (per group) and
+    ``kwargs``.
+
+    Per-group learning rates for fine-tuning (at most one of):
+    ``backbone_lr_scale`` gives every parameter outside the head ``lr *
+    backbone_lr_scale`` (the head, ``head`` glob patterns of parameter names or the
+    model's classifier, keeps ``lr``); ``layer_decay`` scales each layer's LR by
+    ``layer_decay ** (depth from the top)``, as timm's ``--layer-decay`` (its
+    ``param_groups_layer_decay``). Each group's ``lr`` is its own, so an LR schedule
+    that scales per-group LRs keeps the ratios.
     """
     device = torch.device(device)
     cls = _optimizer_class(name)
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim <= 1 else decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    kwargs: dict[str, Any] = {"lr": lr}
+    groups = param_groups(
+        model,
+        lr,
+        weight_decay,
+        layer_decay=layer_decay,
+        backbone_lr_scale=backbone_lr_scale,
+        head=head,
+    )
+    kwargs = {"lr": lr, **dict(kwargs or {})}
+    if is_import_path(name):
+        try:
+            return cls([g for g in groups if g["params"]], **kwargs)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ConfigError(
+                f"cannot build optimizer {name!r} with optimizer.kwargs={dict(kwargs)}: {exc}"
+            ) from None
     if name == "sgd":
         if nesterov and momentum <= 0:
             raise ConfigError("optimizer.nesterov needs optimizer.momentum > 0")
@@ -98,3 +131,91 @@ def build_optimizer(
         return cls([g for g in groups if g["params"]], **kwargs)
     except (RuntimeError, ValueError) as exc:
         raise ConfigError(f"cannot build optimizer {name!r} with impl={impl!r}: {exc}") from None
+
+
+# Where timm and torchvision models keep their classifier, for a model without
+# timm's get_classifier().
+HEAD_PATTERNS = ("head.*", "head", "fc.*", "classifier.*", "heads.*", "last_linear.*")
+
+
+def head_parameters(model: nn.Module, patterns: Sequence[str] | None = None) -> list[str]:
+    """Names of the classifier's parameters: those matching the glob ``patterns``,
+    or by default the module timm's ``get_classifier()`` returns (else the usual
+    classifier names, :data:`HEAD_PATTERNS`)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if patterns:
+        return [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+    get_classifier = getattr(model, "get_classifier", None)
+    if callable(get_classifier):
+        head = get_classifier()
+        if isinstance(head, nn.Module):
+            ids = {id(p) for p in head.parameters()}
+            found = [n for n, p in model.named_parameters() if id(p) in ids and p.requires_grad]
+            if found:
+                return found
+    return [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in HEAD_PATTERNS)]
+
+
+def param_groups(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    *,
+    layer_decay: float | None = None,
+    backbone_lr_scale: float | None = None,
+    head: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: decay and no-decay (norms, biases), each
+    with its own ``lr`` under ``layer_decay`` or ``backbone_lr_scale`` (see
+    :func:`build_optimizer`)."""
+    if layer_decay is not None and backbone_lr_scale is not None:
+        raise ConfigError(
+            "optimizer.layer_decay and optimizer.backbone_lr_scale both set the backbone's LR; "
+            "choose one"
+        )
+    if layer_decay is not None:
+        if not 0 < layer_decay <= 1:
+            raise ConfigError(f"optimizer.layer_decay must be in (0, 1], e.g. 0.75, got {layer_decay}")
+        from timm.optim import param_groups_layer_decay
+
+        no_wd = getattr(model, "no_weight_decay", None)
+        groups = param_groups_layer_decay(
+            model,
+            weight_decay=weight_decay,
+            no_weight_decay_list=tuple(no_wd()) if callable(no_wd) else (),
+            layer_decay=layer_decay,
+        )
+        for group in groups:
+            group["lr"] = lr * group["lr_scale"]
+        return groups
+    head_names: set[str] = set()
+    scale = 1.0
+    if backbone_lr_scale is not None:
+        if not backbone_lr_scale >= 0:
+            raise ConfigError(
+                f"optimizer.backbone_lr_scale must be >= 0 (0 freezes the backbone), got {backbone_lr_scale}"
+            )
+        head_names = set(head_parameters(model, head))
+        if not head_names:
+            raise ConfigError(
+                f"optimizer.backbone_lr_scale: no parameter of {type(model).__name__} matches the head "
+                f"({', '.join(head or HEAD_PATTERNS)}); set optimizer.head to glob patterns of its "
+                "classifier's parameter names"
+            )
+        scale = backbone_lr_scale
+    buckets: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            key = (name in head_names or backbone_lr_scale is None, param.ndim <= 1)
+            buckets.setdefault(key, []).append(param)
+    groups = []
+    for in_head in (False, True):
+        for no_decay in (False, True):
+            group: dict[str, Any] = {
+                "params": buckets.get((in_head, no_decay), []),
+                "weight_decay": 0.0 if no_decay else weight_decay,
+            }
+            if backbone_lr_scale is not None:
+                group["lr"] = lr if in_head else lr * scale
+            groups.append(group)
+    return [g for g in groups if g["params"]] or groups[-1:]

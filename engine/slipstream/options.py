@@ -57,6 +57,15 @@ class TrainerOptions:
     progress_bar: bool = True
     load_path: str | Path | None = None
     overwrite: bool = False
+    # A requeued job: continue from run_dir's latest.pt when it has one, else start
+    # (from load_path when given); refused when the saved config differs in training.
+    autoresume: bool = False
+    # Fine-tuning: load_path gives the weights only (no optimizer, schedules, counters),
+    # without the parameters matching load_ignore_keys (globs), from load_weights
+    # ("model", or weights a plugin keeps in the checkpoint, e.g. "ema").
+    load_weights_only: bool = False
+    load_ignore_keys: Sequence[str] = ()
+    load_weights: str = "model"
     threads: int | None = None
     deterministic: bool = False
     verbose: bool = True
@@ -99,7 +108,51 @@ class TrainerOptions:
         self.ddp = check_ddp_options(self.ddp, f"{prefix}ddp")
         if self.run_dir is not None:
             check_output_dir(Path(self.run_dir), f"{prefix}run_dir")
+        self._check_loading(prefix)
         return self
+
+    def _check_loading(self, prefix: str) -> None:
+        if self.autoresume and self.run_dir is None:
+            raise ConfigError(
+                f"{prefix}autoresume needs a fixed {prefix}run_dir (the directory a requeued "
+                "job continues in), e.g. trainer.run_dir=runs/my-run"
+            )
+        if self.autoresume and self.overwrite:
+            raise ConfigError(
+                f"{prefix}autoresume and {prefix}overwrite contradict each other (continue the "
+                "run, or delete it); drop one"
+            )
+        keys = self.load_ignore_keys
+        if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys or ()):
+            raise ConfigError(
+                f"{prefix}load_ignore_keys must be a list of glob patterns of weight names, "
+                f"e.g. ['head.*'], got {keys!r}"
+            )
+        self.load_ignore_keys = tuple(keys or ())
+        if not isinstance(self.load_weights, str) or not self.load_weights:
+            raise ConfigError(
+                f"{prefix}load_weights must be 'model' or the weights a plugin keeps (e.g. 'ema'), "
+                f"got {self.load_weights!r}"
+            )
+        fine_tuning = [
+            name
+            for name, on in (
+                ("load_weights_only", self.load_weights_only),
+                ("load_ignore_keys", bool(self.load_ignore_keys)),
+                ("load_weights", self.load_weights != "model"),
+            )
+            if on
+        ]
+        if fine_tuning and self.load_path is None:
+            raise ConfigError(
+                f"{prefix}{fine_tuning[0]} says how to load {prefix}load_path, which is not set"
+            )
+        partial = [n for n in fine_tuning if n != "load_weights_only"]
+        if partial and not self.load_weights_only:
+            raise ConfigError(
+                f"{prefix}{partial[0]} loads part of a checkpoint: it goes with "
+                f"{prefix}load_weights_only=true (a resume restores everything)"
+            )
 
     def trainer_kwargs(self) -> dict[str, Any]:
         """The options as keywords of :class:`~slipstream.Trainer`."""
@@ -112,8 +165,10 @@ class TrainerOptions:
             value = getattr(self, f.name)
             if isinstance(value, (Duration, Path, torch.device)):
                 value = str(value)
-            elif isinstance(value, tuple):
+            elif isinstance(value, tuple) and f.name == "normalize":
                 value = [list(map(float, part)) for part in value]
+            elif isinstance(value, tuple):
+                value = list(value)
             elif isinstance(value, Mapping):
                 value = dict(value)
             out[f.name] = value

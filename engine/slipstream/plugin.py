@@ -14,11 +14,22 @@ class Plugin:
 
     ``kind`` says which it is (``"algorithm"`` or ``"callback"``): the config
     section (``algorithms.<name>``, ``callbacks.<name>``) and messages use it.
+
+    ``weights`` names model weights the plugin keeps in its checkpoint state besides
+    the model's own (``"ema"``), under ``state_dict()["weights"]`` with the model's
+    parameter names: evaluation, export and fine-tuning may select them
+    (``--weights``/``--ema``, ``trainer.load_weights``).
+
+    ``export_model(model)`` says what becomes of the plugin's model surgery in a model
+    exported for inference: the default keeps it (the model as trained, e.g.
+    channels-last weights or added layers whose weights were learnt); a plugin whose
+    surgery only serves training (activation checkpointing, compilation) undoes it.
     """
 
     kind: ClassVar[str] = "plugin"
     name: ClassVar[str] = ""
     config_class: ClassVar[type | None] = None
+    weights: ClassVar[str | None] = None
 
     def __init__(self, config: Any = None) -> None:
         if config is None and self.config_class is not None:
@@ -36,6 +47,11 @@ class Plugin:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
+
+    def export_model(self, model: Any) -> Any:
+        """The model to export after this plugin's ``init`` surgery: ``model`` as is
+        (the surgery stays), or with the surgery undone. Called in reverse run order."""
+        return model
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"

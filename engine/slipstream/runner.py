@@ -11,7 +11,7 @@ from .config import to_dict
 from .data import DATASET_STATS, DataError, build_datasets, build_loader
 from .distributed import from_rank0, init_distributed, resolve_device
 from .errors import ConfigError
-from .models import build_model
+from .models import build_loss, build_model
 from .optim import build_optimizer
 from .options import TrainerOptions, apply_process_settings
 from .plugins import CALLBACKS_GROUP, AlgorithmInfo, discover, instantiate
@@ -111,12 +111,18 @@ def build_trainer(
         eps=o.eps,
         impl=o.impl,
         device=device,
+        kwargs=dict(to_dict(o.kwargs)),
+        layer_decay=o.layer_decay,
+        backbone_lr_scale=o.backbone_lr_scale,
+        head=list(o.head) if o.head is not None else None,
     )
+    loss_fn = build_loss(cfg.loss.name, **dict(to_dict(cfg.loss.kwargs)))
     resolved = to_dict(cfg)
     resolved["model"]["num_classes"] = num_classes
     return Trainer(
         model=model,
         optimizer=optimizer,
+        loss_fn=loss_fn,
         train_data=train_loader,
         eval_data=eval_loader,
         algorithms=algorithms,

@@ -23,7 +23,13 @@ from torch import nn
 from . import hookspecs
 from .algorithm import Algorithm
 from .callback import Callback
-from .checkpoint import checkpoint_payload, restore_checkpoint
+from .checkpoint import (
+    checkpoint_payload,
+    config_differences,
+    load_checkpoint,
+    load_weights,
+    restore_checkpoint,
+)
 from .dispatch import bind, bind_event
 from .distributed import init_distributed, resolve_device
 from .duration import Duration
@@ -46,7 +52,7 @@ from .plugins import (
     instantiate,
     resolve_order,
 )
-from .rundir import choose_run_dir, prepare_run_dir
+from .rundir import RunDir, choose_run_dir, prepare_run_dir
 from .services import (
     Checkpointer,
     DefaultSteps,
@@ -88,6 +94,14 @@ class Trainer:
     numbers) is the device's peak for MFU; by default it is probed once per machine.
     ``best_metric`` (``"accuracy"``, ``"loss"`` or None) is the eval metric whose
     best value ``checkpoints/best.pt`` keeps.
+
+    ``autoresume=True`` (with a fixed ``run_dir``) continues the run there from its
+    ``latest.pt`` when it has one, as ``load_path`` would, and refuses one whose config
+    differs in what changes training; without one the run starts. Fine-tuning:
+    ``load_weights_only=True`` takes only the model weights from ``load_path``, leaving
+    those matching the globs ``load_ignore_keys`` as initialised, from the weights
+    ``load_weights`` names (``"model"``, or a plugin's such as ``"ema"``). See
+    docs/workflows.md.
     """
 
     def __init__(
@@ -124,6 +138,10 @@ class Trainer:
         callbacks: Sequence[Callback | str] = (),
         best_metric: str | None = "accuracy",
         ddp: dict[str, Any] | None = None,
+        autoresume: bool = False,
+        load_weights_only: bool = False,
+        load_ignore_keys: Sequence[str] = (),
+        load_weights: str = "model",
     ) -> None:
         # One set-up for the Python API and the CLI (which passes the same options,
         # built from its config): validate, then threads, determinism and seeds.
@@ -146,6 +164,10 @@ class Trainer:
             on_nonfinite=on_nonfinite,
             best_metric=best_metric,
             ddp=ddp,
+            autoresume=autoresume,
+            load_weights_only=load_weights_only,
+            load_ignore_keys=load_ignore_keys,
+            load_weights=load_weights,
         ).validate()
         self.target_accuracy = check_target(target_accuracy, stop_at_target)
         peak = parse_peak_tflops(peak_tflops)
@@ -168,11 +190,14 @@ class Trainer:
         self.config = config or self._describe_run(model, optimizer)
         self.on_nonfinite = self.options.on_nonfinite
         self.load_path = Path(load_path) if load_path else None
+        self.weights_only = self.options.load_weights_only
+        if self.options.autoresume:
+            overwrite = self._autoresume(Path(run_dir)) or overwrite
         if self.load_path is not None and not self.load_path.exists():
             # Checked before anything is built or written, so the retry starts clean.
             raise CheckpointError(f"trainer.load_path: checkpoint {self.load_path} does not exist")
         self.overwrite = overwrite
-        self.paths = choose_run_dir(run_dir, overwrite=overwrite, load_path=self.load_path)
+        self.paths = choose_run_dir(run_dir, overwrite=overwrite, load_path=self._resume_path)
         self.run_dir = self.paths.root
         self.summary: dict[str, Any] = {}
 
@@ -217,6 +242,33 @@ class Trainer:
         self._to_device = batch_mover(self.device)
 
     # -- set-up ------------------------------------------------------------------
+
+    @property
+    def _resume_path(self) -> Path | None:
+        """The checkpoint this run continues (its run directory's files are kept), or
+        None for a fresh run, a fine-tuning one included."""
+        return None if self.weights_only else self.load_path
+
+    def _autoresume(self, run_dir: Path) -> bool:
+        """Continue the run in ``run_dir`` from its latest.pt (in place of load_path),
+        refused when its config differs in what changes training. Without one the run
+        starts (from load_path when given); returns True when leftovers of an attempt
+        that saved no checkpoint are to be cleared."""
+        paths = RunDir(run_dir)
+        if not paths.latest.is_file():
+            if self.verbose:
+                print(f"slipstream: autoresume: no checkpoint in {run_dir}, starting", file=sys.stderr)
+            return bool(paths.holds_run())
+        saved = load_checkpoint(paths.latest).get("config")
+        differ = config_differences(saved, self.config)
+        if differ:
+            raise ConfigError(
+                f"trainer.autoresume: the run in {run_dir} was started with another config; "
+                f"these keys differ: {', '.join(differ)}. Restore them, or choose another "
+                "trainer.run_dir"
+            )
+        self.load_path, self.weights_only = paths.latest, False
+        return False
 
     def _describe_run(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """config.yaml for a run set up in Python: what the CLI's config would say,
@@ -399,7 +451,15 @@ class Trainer:
         try:
             pm.hook.init(state=state)
             self._check_hooks()  # init may have registered helpers
-            if self.load_path is not None:
+            if self.load_path is not None and self.weights_only:
+                load_weights(
+                    state.unwrapped_model,
+                    self.load_path,
+                    ignore_keys=self.options.load_ignore_keys,
+                    weights=self.options.load_weights,
+                    verbose=self.verbose,
+                )
+            elif self.load_path is not None:
                 restore_checkpoint(state, self.load_path, verbose=self.verbose, hook=self.pm.hook)
             self._wrap_distributed()
             self._bind_hooks()
@@ -407,7 +467,7 @@ class Trainer:
                 prepare_run_dir(
                     self.paths,
                     overwrite=self.overwrite,
-                    load_path=self.load_path,
+                    load_path=self._resume_path,
                     config=self.config,
                     verbose=self.verbose,
                 )

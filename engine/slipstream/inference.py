@@ -1,0 +1,275 @@
+"""A checkpoint after training: evaluated on a dataset, or exported for inference.
+
+Both rebuild the run that wrote the checkpoint from the config it holds (with a
+recipe and overrides on top, e.g. other eval data): model, data and the plugins'
+model surgery at ``init``, then load the chosen weights (the model's own, or a
+plugin's such as the EMA). Plugins that keep weights of their own are left out of
+the rebuilt run, so the weights evaluated are the ones chosen.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import load_checkpoint, select_weights, weights_in
+from .errors import CheckpointError, ConfigError
+from .rundir import atomic_write_text
+
+FORMATS = ("torchscript", "onnx", "exported-program")
+_RECORDING_SERVICES = (
+    "engine.metrics",
+    "engine.checkpoint",
+    "engine.summary",
+    "engine.utilization",
+    "engine.target",
+    "engine.progress",
+    "engine.losses",
+)
+
+
+@dataclass
+class Rebuilt:
+    """A run rebuilt from a checkpoint, its chosen weights loaded."""
+
+    trainer: Any  # slipstream.Trainer
+    payload: dict[str, Any]
+    weights: str
+
+    @property
+    def model(self) -> nn.Module:
+        return self.trainer.state.unwrapped_model
+
+    def inputs(self, count: int = 2) -> torch.Tensor:
+        """``count`` eval inputs as the model receives them (on the device,
+        normalised, in the run's memory format)."""
+        from .services.batches import to_device
+
+        state = self.trainer.state
+        loader = state.eval_loader if state.eval_loader is not None else state.train_loader
+        batch = next(iter(loader))
+        state.batch = to_device((batch[0][:count], batch[1][:count]), state.device)
+        self.trainer.normalize.prepare(state)
+        return state.batch[0]
+
+
+def rebuild(
+    checkpoint: str | Path,
+    *,
+    recipe: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    weights: str = "model",
+    run_dir: str | Path | None = None,
+) -> Rebuilt:
+    """The run that wrote ``checkpoint``, rebuilt on this machine with ``weights``
+    (``model`` or one that :func:`slipstream.checkpoint.weights_in` lists) loaded."""
+    from .config import build_config, to_dict
+    from .plugins import algorithm_class, discover
+    from .runner import build_trainer
+
+    payload = load_checkpoint(checkpoint)
+    saved = payload.get("config") or {}
+    if not isinstance((saved.get("data") or {}).get("name"), str):
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was written by a Trainer built in Python (its config "
+            "names no dataset): rebuild the model yourself and load it with "
+            "slipstream.checkpoint.load_weights"
+        )
+    select_weights(payload, weights, checkpoint)  # a missing kind fails before any work
+    trainer_saved = dict(saved.get("trainer") or {})
+    if str(trainer_saved.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
+        # Trained on a GPU, looked at on a machine without one.
+        saved = {**saved, "trainer": {**trainer_saved, "device": "auto"}}
+    cfg = build_config(recipe, None, list(overrides), base=saved)
+    installed = discover(load=False)
+    # The weights are chosen here, not by a plugin swapping its own in at evaluation.
+    cfg.algorithms = {
+        name: options
+        for name, options in to_dict(cfg.algorithms).items()
+        if not getattr(algorithm_class(name, installed), "weights", None)
+    }
+    t = cfg.trainer
+    t.run_dir = str(run_dir) if run_dir is not None else tempfile.mkdtemp(prefix="slipstream-eval-")
+    t.load_path, t.autoresume, t.overwrite = None, False, False
+    t.load_weights_only, t.load_ignore_keys, t.load_weights = False, [], "model"
+    t.checkpoint_interval, t.best_metric, t.progress_bar = None, None, False
+    t.target_accuracy, t.stop_at_target = None, False
+    cfg.model.pretrained = False  # the checkpoint has the weights: no download
+    trainer = build_trainer(cfg, label="eval", installed=installed, verbose=False)
+    Path(trainer.run_dir).mkdir(parents=True, exist_ok=True)
+    state = trainer.state
+    trainer.pm.hook.init(state=state)  # the plugins' model surgery, as in training
+    # No run happens: the services that record one (metrics log, checkpoints, summary,
+    # clocks) are left out, so evaluating writes nothing but its own result.
+    for name in _RECORDING_SERVICES:
+        if trainer.pm.has_plugin(name):
+            trainer.pm.unregister(name=name)
+    from .checkpoint import load_weights
+
+    load_weights(state.unwrapped_model, checkpoint, weights=weights, payload=payload)
+    state.unwrapped_model.eval()
+    return Rebuilt(trainer, payload, weights)
+
+
+def evaluate_checkpoint(
+    checkpoint: str | Path,
+    *,
+    recipe: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    weights: str = "model",
+    output: str | Path | None = None,
+) -> dict[str, Any]:
+    """Evaluate ``checkpoint`` on its run's eval data (or what ``recipe`` and
+    ``overrides`` give) and return the metrics (loss, accuracy, accuracy_top5 with 5
+    classes or more) with what was evaluated; also written to ``output`` as JSON."""
+    with tempfile.TemporaryDirectory(prefix="slipstream-eval-") as scratch:
+        rebuilt = rebuild(checkpoint, recipe=recipe, overrides=overrides, weights=weights, run_dir=scratch)
+        state = rebuilt.trainer.state
+        if state.eval_loader is None:
+            raise ConfigError("slipstream eval: the config gives no eval data")
+        metrics = rebuilt.trainer.evaluator.evaluate(state)
+        metrics = dict(state.eval_metrics if not metrics else metrics)
+    ts = rebuilt.payload.get("timestamp", {})
+    result = {
+        **{k: float(v) for k, v in metrics.items()},
+        "samples": len(getattr(state.eval_loader, "dataset", []) or []),
+        "checkpoint": str(checkpoint),
+        "weights": weights,
+        "epoch": ts.get("epoch"),
+        "batch": ts.get("batch"),
+        "data": rebuilt.trainer.config.get("data", {}).get("name"),
+    }
+    if output is not None:
+        atomic_write_text(output, json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def export_model(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    format: str,
+    output: str | Path,
+    *,
+    check: bool = True,
+    atol: float = 1e-4,
+    rtol: float = 1e-3,
+) -> dict[str, Any]:
+    """Write ``model`` (in eval mode) for inference as ``format`` (torchscript: a
+    trace; onnx; exported-program: ``torch.export``) to ``output``, then load the
+    file and compare its outputs on ``inputs`` with the eager model's. Returns the
+    check: max absolute difference and whether it is within ``atol`` + ``rtol``.
+    Raises ConfigError for an unknown format or a missing onnx package."""
+    if format not in FORMATS:
+        raise ConfigError(f"export format {format!r} is not one of {', '.join(FORMATS)}")
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    model = model.eval()
+    with torch.no_grad():
+        expected = model(inputs)
+    if format == "torchscript":
+        with torch.no_grad():
+            traced = torch.jit.trace(model, (inputs,), check_trace=False)
+        traced.save(str(output))
+        run = torch.jit.load(str(output), map_location=inputs.device)
+    elif format == "exported-program":
+        program = torch.export.export(model, (inputs,))
+        torch.export.save(program, str(output))
+        run = torch.export.load(str(output)).module()
+    else:
+        run = _export_onnx(model, inputs, output)
+    result: dict[str, Any] = {"format": format, "file": str(output), "input_shape": list(inputs.shape)}
+    if not check:
+        return result
+    with torch.no_grad():
+        got = run(inputs)
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    expected = expected[0] if isinstance(expected, (tuple, list)) else expected
+    got = torch.as_tensor(got).to(expected.device, expected.dtype)
+    diff = (got - expected).abs().max().item() if expected.numel() else 0.0
+    result["max_abs_diff"] = diff
+    result["matches"] = bool(torch.allclose(got, expected, atol=atol, rtol=rtol))
+    return result
+
+
+def _export_onnx(model: nn.Module, inputs: torch.Tensor, output: Path) -> Any:
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime
+    except ImportError as exc:
+        raise ConfigError(
+            f"export --format onnx needs onnx and onnxruntime ({exc}); install them with: "
+            "pip install 'slipstream[onnx]'"
+        ) from None
+    program = torch.onnx.export(model, (inputs,), dynamo=True, verbose=False)
+    program.save(str(output))
+    session = onnxruntime.InferenceSession(str(output), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(session.run(None, {name: x.detach().cpu().contiguous().numpy()})[0])
+
+    return run
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    format: str,
+    output: str | Path,
+    *,
+    recipe: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    weights: str = "model",
+    check: bool = True,
+) -> dict[str, Any]:
+    """Export the model of ``checkpoint`` as :func:`export_model` does, with each
+    plugin's model surgery kept or undone as the plugin declares
+    (``Plugin.export_model``), in fp32 on the CPU, checked on a batch of eval inputs
+    (normalised as in training: the exported model expects normalised inputs, whose
+    mean and std the result gives)."""
+    if format not in FORMATS:
+        raise ConfigError(f"export format {format!r} is not one of {', '.join(FORMATS)}")
+    with tempfile.TemporaryDirectory(prefix="slipstream-export-") as scratch:
+        rebuilt = rebuild(
+            checkpoint,
+            recipe=recipe,
+            overrides=[*overrides, "trainer.device=cpu"],
+            weights=weights,
+            run_dir=scratch,
+        )
+        model = rebuilt.model.float()
+        for plugin in reversed(rebuilt.trainer.algorithms):
+            model = plugin.export_model(model)
+        inputs = rebuilt.inputs().float()
+        result = export_model(model, inputs, format, output, check=check)
+    normalize = rebuilt.trainer.normalize
+    result.update(
+        checkpoint=str(checkpoint),
+        weights=weights,
+        algorithms=[a.name for a in rebuilt.trainer.algorithms],
+        mean=_floats(getattr(normalize, "mean", None)),
+        std=_floats(getattr(normalize, "std", None)),
+    )
+    if check and not result["matches"]:
+        raise CheckpointError(
+            f"the {format} export in {output} does not match the eager model on a batch "
+            f"(max |difference| {result['max_abs_diff']:.3g})"
+        )
+    return result
+
+
+def _floats(value: Any) -> list[float] | None:
+    if value is None:
+        return None
+    return [float(v) for v in torch.as_tensor(value).flatten().tolist()]
+
+
+def weights_available(checkpoint: str | Path) -> list[str]:
+    """The weights ``checkpoint`` holds: ``model`` and those of its plugins."""
+    return weights_in(load_checkpoint(checkpoint))

@@ -1,0 +1,341 @@
+"""Everyday paths (issue 29): automatic resume of a preempted run, fine-tuning from a
+checkpoint, evaluating and exporting one, and a user's own model, optimizer and loss
+named by import path. CLI runs are in-process (``cli.main``) to keep them cheap."""
+
+import json
+import os
+import signal
+import sys
+
+import pytest
+import torch
+
+from helpers import Probe, tiny_model, train
+from slipstream import CheckpointError, ConfigError, Trainer, load_checkpoint
+from slipstream.checkpoint import load_weights
+from slipstream.cli import main
+from slipstream.inference import export_checkpoint, rebuild
+from slipstream.models import build_loss, build_model
+from slipstream.optim import build_optimizer
+
+RECIPE = """
+model: {name: test_resnet}
+data: {num_classes: 10, train_size: 64, val_size: 32, image_size: 16, batch_size: 16}
+optimizer: {lr: 0.01}
+trainer: {threads: 1, progress_bar: false, max_duration: 4ba, log_interval: 1}
+algorithms: {ema: {decay: 0.5}, channels_last: {}, activation_checkpointing: {}}
+"""
+
+
+def _params(trainer):
+    return [p.detach().clone() for p in trainer.state.unwrapped_model.parameters()]
+
+
+def _weights(path):
+    return load_checkpoint(path)["model"]
+
+
+# -- automatic resume ----------------------------------------------------------------------
+
+
+class SigtermOnce(Probe):
+    """Sends SIGTERM to this process after batch ``at`` of the first run only, as a
+    scheduler preempting the job would."""
+
+    name = "sigterm_once"
+
+    def __init__(self, at):
+        self.sent = False
+        super().__init__(batch_end=self._maybe_signal)
+        self.at = at
+
+    def _maybe_signal(self, state):
+        if not self.sent and state.timestamp.batch == self.at:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    # Module fixtures run before conftest's per-test one thread; bit-identical
+    # comparisons need the same thread count on both sides.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, one_thread):
+    # No evaluation in these runs: it neither draws random numbers nor changes weights.
+    run = train(tmp_path_factory.mktemp("straight"), [SigtermOnce(at=-1)], max_duration="7ba",
+                checkpoint_interval=None, eval_interval=None)
+    return _params(run)
+
+
+@pytest.mark.parametrize("cut", ["sigterm", "max_duration"])
+def test_a_preempted_run_continued_by_autoresume_ends_bit_identical(tmp_path, cut, uninterrupted):
+    probe = SigtermOnce(at=3 if cut == "sigterm" else -1)
+    first_duration = "7ba" if cut == "sigterm" else "3ba"
+    first = train(tmp_path / "split", [probe], max_duration=first_duration, autoresume=True, eval_interval=None)
+    assert first.state.timestamp.batch == 3
+    if cut == "sigterm":
+        assert json.loads((first.run_dir / "summary.json").read_text())["status"] == "interrupted"
+    probe.sent = True  # the requeued job is not signalled again
+    resumed = train(tmp_path / "split", [probe], max_duration="7ba", autoresume=True, eval_interval=None)
+    assert resumed.state.timestamp.batch == 7
+    assert json.loads((resumed.run_dir / "summary.json").read_text())["status"] == "completed"
+    for a, b in zip(uninterrupted, _params(resumed), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_autoresume_starts_fresh_and_refuses_a_changed_config(tmp_path):
+    run = train(tmp_path, [], max_duration="2ba", autoresume=True)  # nothing there: starts
+    assert run.state.timestamp.batch == 2
+    latest = run.run_dir / "checkpoints" / "latest.pt"
+    before = latest.read_bytes()
+    with pytest.raises(ConfigError, match=r"these keys differ: optimizer\.lr, trainer\.seed"):
+        train(tmp_path, [], max_duration="4ba", autoresume=True, seed=1, lr=0.5)
+    assert latest.read_bytes() == before  # nothing written
+    model = tiny_model()
+    with pytest.raises(ConfigError, match="autoresume needs a fixed run_dir"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), [], autoresume=True)
+
+
+# -- a CLI run shared by the fine-tuning, eval and export tests ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory, one_thread):
+    """A 10-class run with EMA, channels-last and activation checkpointing, trained by
+    the CLI with autoresume in two parts (2 then 4 batches)."""
+    root = tmp_path_factory.mktemp("cli")
+    recipe = root / "tiny.yaml"
+    recipe.write_text(RECIPE)
+    run = root / "run"
+    for duration in ("2ba", "4ba"):
+        code = main(["train", "-q", "-r", str(recipe), f"trainer.run_dir={run}",
+                     "trainer.autoresume=true", f"trainer.max_duration={duration}"])
+        assert code == 0
+    return recipe, run
+
+
+def test_cli_autoresume_continues_the_run(cli_run, tmp_path):
+    recipe, run = cli_run
+    straight = tmp_path / "straight"
+    assert main(["train", "-q", "-r", str(recipe), f"trainer.run_dir={straight}"]) == 0
+    a, b = _weights(run / "checkpoints" / "latest.pt"), _weights(straight / "checkpoints" / "latest.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_autoresume_refuses_another_config_in_one_line(cli_run, capsys):
+    recipe, run = cli_run
+    code = main(["train", "-q", "-r", str(recipe), f"trainer.run_dir={run}", "trainer.autoresume=true",
+                 "algorithms.ema.decay=0.9", "data.batch_size=8"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "these keys differ: algorithms.ema.decay, data.batch_size" in err
+
+
+# -- fine-tuning ---------------------------------------------------------------------------------
+
+
+def test_a_10_class_checkpoint_fine_tunes_into_a_3_class_model(cli_run, tmp_path, capsys):
+    recipe, run = cli_run
+    checkpoint = run / "checkpoints" / "latest.pt"
+    common = ["train", "-q", "-r", str(recipe), "data.num_classes=3", f"trainer.load_path={checkpoint}",
+              "trainer.load_weights_only=true", "trainer.max_duration=1ba", "algorithms.ema=null"]
+    # The head does not fit: one line naming the weights, nothing trained.
+    code = main([*common, f"trainer.run_dir={tmp_path / 'refused'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "fc.weight (10, 96) vs (3, 96)" in err and "load_ignore_keys" in err
+    assert not (tmp_path / "refused" / "checkpoints").exists()
+    # A new head, the backbone frozen by its LR scale of 0: the backbone is the checkpoint's.
+    tuned = tmp_path / "tuned"
+    code = main([*common, "trainer.load_ignore_keys=[fc.*]", "optimizer.backbone_lr_scale=0",
+                 f"trainer.run_dir={tuned}"])
+    assert code == 0, capsys.readouterr().err
+    before, after = _weights(checkpoint), _weights(tuned / "checkpoints" / "latest.pt")
+    assert after["fc.weight"].shape == (3, 96)
+    params = [k for k in before if k.endswith(("weight", "bias")) and not k.startswith("fc.")]
+    assert params and all(torch.equal(before[k], after[k]) for k in params)
+    payload = load_checkpoint(tuned / "checkpoints" / "latest.pt")
+    assert payload["timestamp"]["batch"] == 1  # counters start afresh
+    lrs = sorted(g["lr"] for g in payload["optimizer"]["param_groups"])
+    assert lrs[0] == 0.0 and lrs[-1] == 0.01
+
+
+def test_ema_weights_are_selectable(cli_run):
+    _, run = cli_run
+    checkpoint = run / "checkpoints" / "latest.pt"
+    payload = load_checkpoint(checkpoint)
+    ema = payload["plugins"]["ema"]["state"]["weights"]
+    model = build_model("test_resnet", 10)
+    load_weights(model, checkpoint, weights="ema")
+    assert all(torch.equal(v, ema[k]) for k, v in model.state_dict().items())
+    assert not torch.equal(ema["fc.weight"], payload["model"]["fc.weight"])
+    with pytest.raises(CheckpointError, match="holds no 'swa' weights; it holds: model, ema"):
+        load_weights(model, checkpoint, weights="swa")
+
+
+def test_layer_decay_and_backbone_lr_give_per_group_lrs():
+    vit = tiny_model("vit")
+    groups = build_optimizer(vit, "adamw", 1.0, layer_decay=0.5).param_groups
+    lr_of = {id(p): g["lr"] for g in groups for p in g["params"]}
+    depth = len(vit.blocks)
+    assert lr_of[id(vit.head.weight)] == 1.0
+    assert lr_of[id(vit.blocks[-1].mlp.fc1.weight)] == 0.5
+    assert lr_of[id(vit.patch_embed.proj.weight)] == 0.5 ** (depth + 1)
+    resnet = tiny_model()
+    groups = build_optimizer(resnet, "sgd", 0.1, backbone_lr_scale=0.1).param_groups
+    lr_of = {id(p): g["lr"] for g in groups for p in g["params"]}
+    assert lr_of[id(resnet.fc.weight)] == 0.1 and lr_of[id(next(resnet.parameters()))] == pytest.approx(0.01)
+    with pytest.raises(ConfigError, match="choose one"):
+        build_optimizer(resnet, "sgd", 0.1, backbone_lr_scale=0.1, layer_decay=0.7)
+
+
+# -- eval and export -------------------------------------------------------------------------------
+
+
+def test_eval_reproduces_the_runs_final_evaluation(cli_run, tmp_path, capsys):
+    _, run = cli_run
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in records if r["kind"] == "eval"][-1]  # evaluated with the EMA
+    out = tmp_path / "ema.json"
+    assert main(["eval", "--checkpoint", str(run), "--ema", "-o", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text())
+    assert printed["weights"] == "ema" and printed["samples"] == 32
+    assert printed["loss"] == pytest.approx(final["loss"], rel=1e-5)
+    assert printed["accuracy"] == pytest.approx(final["accuracy"])
+    assert main(["eval", "--checkpoint", str(run), "-o", str(tmp_path / "model.json")]) == 0
+    live = json.loads(capsys.readouterr().out)
+    assert live["weights"] == "model" and live["loss"] != printed["loss"]
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "exported-program"])
+def test_an_exported_model_matches_the_eager_one(cli_run, tmp_path, fmt):
+    _, run = cli_run
+    out = tmp_path / "model.bin"
+    result = export_checkpoint(run, fmt, out, weights="ema")
+    assert result["matches"] and result["algorithms"] == ["channels_last", "activation_checkpointing"]
+    # Checked again here, on other inputs, against the eager model with the EMA weights.
+    eager = rebuild(run, weights="ema").model.float().eval()
+    loaded = torch.jit.load(str(out)) if fmt == "torchscript" else torch.export.load(str(out)).module()
+    inputs = torch.randn(3, 3, 16, 16) if fmt == "torchscript" else torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(inputs), eager(inputs), atol=1e-5, rtol=1e-4)
+
+
+def test_onnx_export_matches_the_eager_one(cli_run, tmp_path, capsys):
+    pytest.importorskip("onnxruntime", reason="the onnx extra (pip install 'slipstream[onnx]') is not installed")
+    pytest.importorskip("onnxscript", reason="the onnx extra (pip install 'slipstream[onnx]') is not installed")
+    _, run = cli_run
+    out = tmp_path / "model.onnx"
+    assert main(["export", "-c", str(run), "--format", "onnx", "-o", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["matches"] and result["max_abs_diff"] < 1e-4 and out.stat().st_size > 0
+
+
+def test_activation_checkpointing_is_undone_for_export():
+    from slipstream_activation_checkpointing import (
+        ActivationCheckpointing,
+        apply_activation_checkpointing,
+        checkpointed_modules,
+    )
+
+    model = tiny_model()
+    assert apply_activation_checkpointing(model) and checkpointed_modules(model)
+    model.set_grad_checkpointing(True)
+    exported = ActivationCheckpointing().export_model(model)
+    assert checkpointed_modules(exported) == [] and not exported.grad_checkpointing
+    inputs = torch.randn(2, 3, 16, 16)
+    traced = torch.jit.trace(exported.eval(), inputs)  # no checkpoint call left in the graph
+    torch.testing.assert_close(traced(inputs), exported(inputs))
+
+
+def test_bad_eval_and_export_input_is_one_line(cli_run, tmp_path, capsys):
+    _, run = cli_run
+    cases = [
+        (["eval", "-c", str(tmp_path / "none.pt")], "does not exist"),
+        (["eval", "-c", str(run), "--weights", "swa"], "holds no 'swa' weights; it holds: model, ema"),
+        (["export", "-c", str(run), "-f", "torchscript", "-o", str(tmp_path / "m.pt"), "model.name=no.such:net"],
+         "model.name='no.such:net': cannot import module 'no.such'"),
+    ]
+    for args, fragment in cases:
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err, err
+    assert not (tmp_path / "m.pt").exists()
+
+
+# -- import paths ---------------------------------------------------------------------------------
+
+USER_MODULE = '''
+import torch
+from torch import nn
+
+calls = {"loss": 0}
+
+
+def build_net(num_classes, width=8, image_size=None):
+    assert image_size == 16
+    return nn.Sequential(nn.Conv2d(3, width, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes))
+
+
+class Momentumless(torch.optim.SGD):
+    def __init__(self, params, lr, scale=1.0):
+        super().__init__(params, lr=lr * scale)
+
+
+def smooth_ce(outputs, targets, smoothing=0.0):
+    calls["loss"] += 1
+    return nn.functional.cross_entropy(outputs, targets, label_smoothing=smoothing)
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("my_models", None)
+
+
+def test_own_model_optimizer_and_loss_by_import_path(user_module, tmp_path):
+    run = tmp_path / "run"
+    code = main(["train", "-q", "-r", "default", "--algorithms", "no:stepwise_lr,no:mixed_precision,no:channels_last",
+                 "model.name=my_models:build_net", "model.kwargs.width=4", "optimizer.name=my_models:Momentumless",
+                 "optimizer.lr=0.1", "optimizer.kwargs.scale=0.5",
+                 "loss.name=my_models:smooth_ce", "loss.kwargs.smoothing=0.1",
+                 "data.train_size=32", "data.val_size=16", "data.image_size=16", "data.batch_size=16",
+                 "trainer.max_duration=2ba", "trainer.threads=1", f"trainer.run_dir={run}"])
+    assert code == 0
+    import my_models
+
+    assert my_models.calls["loss"] == 2
+    payload = load_checkpoint(run / "checkpoints" / "latest.pt")
+    assert payload["model"]["3.weight"].shape == (10, 4)
+    assert payload["optimizer_class"] == "Momentumless"
+    assert {g["lr"] for g in payload["optimizer"]["param_groups"]} == {0.05}
+    assert isinstance(build_model("my_models:build_net", 3, image_size=16), torch.nn.Module)
+    assert build_loss("my_models:smooth_ce")(torch.zeros(2, 3), torch.tensor([0, 1])) > 0
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("model.name=my_models:missing", "model.name='my_models:missing': module 'my_models' has no 'missing'"),
+        ("optimizer.name=torch.nn:Linear", "optimizer.name='torch.nn:Linear' is not a torch.optim.Optimizer"),
+        ("loss.name=nowhere:fn", "loss.name='nowhere:fn': cannot import module 'nowhere'"),
+    ],
+)
+def test_a_bad_import_path_is_one_line_naming_it(user_module, tmp_path, capsys, override, fragment):
+    code = main(["train", "-q", "model.name=test_resnet", "data.image_size=16", "data.train_size=32",
+                 "data.val_size=16", override,
+                 f"trainer.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert fragment in err, err
+    assert not (tmp_path / "run").exists()
