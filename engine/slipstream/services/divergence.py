@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from ..state import State
 from .losses import TrainLosses
+from .nonfinite import locate
 
 ON_NONFINITE = ("stop", "warn")
 
@@ -84,17 +85,23 @@ class DivergenceMonitor:
         )
         record["steps"] = self.nonfinite_steps
         message = f"the training loss is {value} at step {first_step}{' ' + where if where else ''}"
+        if not first:
+            return
+        # Where it went non-finite, looked at once (a sync and a look at the
+        # parameters): never while the losses are finite.
+        found = locate(state)
+        state.summary["nonfinite_at"] = {k: v for k, v in found.items() if k != "message"}
+        message = f"{message}; {found['message']}"
         if self.on_nonfinite == "stop":
             state.request_stop(
                 "diverged",
                 f"diverged: {message}; stopped, and no checkpoint of the diverged weights was "
-                "written (lower optimizer.lr, add grad_clipping, or set "
-                "trainer.on_nonfinite=warn to train on)",
+                f"written ({found['hint']})",
             )
-        elif first:
+        else:
             warnings.warn(
                 f"slipstream: {message}; training on (trainer.on_nonfinite=warn), and no "
-                "checkpoint is written while the weights are not finite",
+                f"checkpoint is written while the weights are not finite ({found['hint']})",
                 RuntimeWarning,
                 stacklevel=2,
             )
