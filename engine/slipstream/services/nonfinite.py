@@ -166,7 +166,9 @@ def locate(state: State) -> dict[str, Any]:
         )
     else:
         where = (
-            f"non-finite {found_in}s in {len(names)} of {total} parameters, from the output back "
+            f"non-finite {found_in}s in "
+            + (f"all {total}" if len(names) == total else f"{len(names)} of {total}")
+            + " parameters, from the output back "
             f"({_shown(names, len(names))}): the loss or the output went first and backward spread "
             f"it by step {record['step']}, {context}"
         )
@@ -198,11 +200,14 @@ def _hint(
             if isinstance(conv, nn.Conv2d) and len(shape) == 4 and shape[2] * shape[3] == 1
         ]
         if one_by_one:
+            # The known case is a 3x3 (stride-2) convolution: wider kernels first.
+            one_by_one.sort(key=lambda item: -item[1].kernel_size[0] * item[1].kernel_size[1])
             name, conv, shape = one_by_one[0]
             batch = (input_shape[0], *shape[1:])
             bad = probe_conv_fault(conv, batch)
             record["suspect"] = {
                 "module": name, "input": list(batch), "probe_calls": PROBE_CALLS, "probe_nonfinite": bad,
+                "also_1x1_input": [n for n, _, _ in one_by_one[1:]],
             }
             cure = (
                 "train in fp32 (drop mixed_precision), or NCHW (drop channels_last), or at a "
