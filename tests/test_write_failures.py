@@ -201,3 +201,32 @@ def test_sharded_checkpoint_shards_fail_in_one_line_and_keep_the_old_folder(tmp_
     assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(folder)
     assert sorted(p.name for p in folder.iterdir()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]  # no partial folder left
+
+
+def test_a_full_disk_under_the_metrics_log_names_the_log(capsys, tmp_path, monkeypatch):
+    # metrics.jsonl is appended to, not replaced: a file object's OSError names no
+    # file, so the log names itself.
+    import slipstream.services.metrics as metrics
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def close(self):
+            pass
+
+    opened = metrics.MetricsLogger.fit_start
+
+    def fit_start(self, state):
+        opened(self, state)
+        if self._file is not None:
+            self._file.close()
+            self._file = Full()
+
+    fit_start.slipstream_impl = opened.slipstream_impl  # still the hook implementation
+    monkeypatch.setattr(metrics.MetricsLogger, "fit_start", fit_start)
+    monkeypatch.setattr(metrics, "FLUSH_S", 0.0)
+    run_dir = tmp_path / "run"
+    code = main(["train", *TINY, "trainer.max_duration=1ba", "trainer.log_interval=1", f"trainer.run_dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert_failed_in_one_line(code, err, f"cannot use {run_dir / 'metrics.jsonl'}: the disk is full")

@@ -51,7 +51,11 @@ def nonfinite_names(named: Sequence[tuple[str, torch.Tensor | None]]) -> list[st
     present = [(n, _local(t)) for n, t in named if t is not None and t.is_floating_point()]
     if not present:
         return []
-    finite = torch.stack([t.isfinite().all().cpu() for _, t in present]).tolist()
+    checks = [t.isfinite().all() for _, t in present]
+    try:
+        finite = torch.stack(checks).tolist()  # one sync
+    except RuntimeError:  # parameters on several devices (an offloading wrap)
+        finite = [bool(c) for c in checks]
     return [n for (n, _), ok in zip(present, finite, strict=True) if not ok]
 
 
@@ -193,7 +197,8 @@ def _hint(
         and input_shape is not None
         and len(input_shape) == 4
     ):
-        convs = conv_inputs(model, (1, *input_shape[1:]))
+        # A wrap that cannot be copied (FSDP2) left a meta copy for the FLOP counter.
+        convs = conv_inputs(state.flops_model or model, (1, *input_shape[1:]))
         one_by_one = [
             (name, conv, shape)
             for name, (conv, shape) in convs.items()
