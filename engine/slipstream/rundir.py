@@ -48,6 +48,8 @@ BEST = "best.pt"
 
 _INTERVAL_CHECKPOINT = re.compile(r"ep\d+-ba\d+\.pt")
 _SHARDS = re.compile(r"ep\d+-ba\d+\.dcp")
+# Shard folders of save_shards on their way in or out (a crash may leave one).
+_SHARDS_TEMPORARY = re.compile(r"\.ep\d+-ba\d+\.dcp\.(partial|old)")
 # Temporary files of atomic_write: ".{name}.{token}.tmp".
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{16}\.tmp")
 
@@ -147,7 +149,11 @@ class RunDir:
         removed = self.run_files()
         for path in removed:
             path.unlink(missing_ok=True)
-        for folder in self.shard_folders():
+        temporary = [
+            p for p in (self.checkpoints.iterdir() if self.checkpoints.is_dir() else ())
+            if p.is_dir() and _SHARDS_TEMPORARY.fullmatch(p.name)
+        ]
+        for folder in [*self.shard_folders(), *temporary]:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
         if self.checkpoints.is_dir() and not any(self.checkpoints.iterdir()):
