@@ -14,7 +14,9 @@ does not fit (naming the model and optimizer that wrote it).
 from __future__ import annotations
 
 import fnmatch
+import os
 import random
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
-from .rundir import LATEST, RunDir, atomic_write
+from .errors import CheckpointError, describe
+from .rundir import LATEST, RunDir, atomic_write, fsync_dir, write_failure
 from .state import State
 from .versions import library_versions
 
@@ -108,10 +110,38 @@ def local_tensors(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 def save_shards(state_dicts: dict[str, Any], folder: Path) -> None:
     """Write ``state_dicts`` with torch.distributed.checkpoint (every rank writes its
-    own shards; a collective). An older folder of the same name is replaced."""
+    own shards; a collective). The shards go to a partial folder that replaces
+    ``folder`` only once every rank has written (so an older folder of that name is
+    replaced whole, and a failed write leaves it as it was); a failed write raises an
+    OSError naming ``folder`` and the cause, on every rank."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    dcp.save(state_dicts, checkpoint_id=str(folder))
+    folder = Path(folder)
+    partial = folder.with_name(f".{folder.name}.partial")
+    writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    try:
+        dcp.save(state_dicts, checkpoint_id=str(partial))
+    except CheckpointException as exc:  # a BaseException: it would escape every handler
+        if writer:
+            shutil.rmtree(partial, ignore_errors=True)
+        failures = [failure[0] for failure in exc.failures.values()]
+        causes = [write_failure(f, folder) for f in failures]
+        cause = next((c for c in causes if c is not None), None)
+        if cause is not None:
+            raise cause from None
+        detail = describe(failures[0]) if failures else describe(exc)
+        raise CheckpointError(f"cannot write the shards of {folder}: {detail}") from None
+    if writer:
+        # dcp.save returns on rank 0 after every rank wrote (its metadata is last).
+        old = folder.with_name(f".{folder.name}.old")
+        if folder.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(folder, old)
+        os.replace(partial, folder)
+        shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(folder.parent)
 
 
 def load_shards(template: dict[str, Any], path: Path, payload: Mapping[str, Any]) -> dict[str, Any]:

@@ -261,7 +261,7 @@ def _rank() -> int:
         return 0
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, code: int = EXIT_USAGE) -> int:
     # Under torchrun every rank meets the same user error: one message (rank 0),
     # and every rank leaves the process group and exits with the same code.
     if _rank() == 0:
@@ -273,7 +273,7 @@ def _fail(message: str) -> int:
             dist.destroy_process_group()
     except Exception:  # leaving is best effort: the error above is what matters
         pass
-    return EXIT_USAGE
+    return code
 
 
 def _show_warning(default: Any) -> Any:
@@ -310,7 +310,15 @@ def _train(args: argparse.Namespace) -> int:
     if args.quiet:
         cfg.trainer.progress_bar = False
     trainer = build_trainer(cfg, label=Path(recipe).stem, verbose=not args.quiet)
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    except Exception as exc:
+        message = user_error_message(exc)
+        if message is None or not trainer.summary_writer.started:
+            raise  # a bug, or a start that failed before the run began: exit 2
+        # The run began and ended `failed` (a full disk, a file-size limit, unreadable
+        # data mid-run): one line, and the exit code of that status.
+        return _fail(message, EXIT_FAILED)
     if trainer.state.rank == 0:
         if not args.quiet:
             print(format_summary(summary))

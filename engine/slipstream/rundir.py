@@ -21,6 +21,7 @@ with the permissions the user's umask gives any new file.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -47,6 +48,8 @@ BEST = "best.pt"
 
 _INTERVAL_CHECKPOINT = re.compile(r"ep\d+-ba\d+\.pt")
 _SHARDS = re.compile(r"ep\d+-ba\d+\.dcp")
+# Shard folders of save_shards on their way in or out (a crash may leave one).
+_SHARDS_TEMPORARY = re.compile(r"\.ep\d+-ba\d+\.dcp\.(partial|old)")
 # Temporary files of atomic_write: ".{name}.{token}.tmp".
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{16}\.tmp")
 
@@ -146,7 +149,11 @@ class RunDir:
         removed = self.run_files()
         for path in removed:
             path.unlink(missing_ok=True)
-        for folder in self.shard_folders():
+        temporary = [
+            p for p in (self.checkpoints.iterdir() if self.checkpoints.is_dir() else ())
+            if p.is_dir() and _SHARDS_TEMPORARY.fullmatch(p.name)
+        ]
+        for folder in [*self.shard_folders(), *temporary]:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
         if self.checkpoints.is_dir() and not any(self.checkpoints.iterdir()):
@@ -241,6 +248,72 @@ def fsync_dir(folder: str | Path) -> None:
         os.close(fd)
 
 
+class _RecordingFile:
+    """A file that remembers the OSError its ``write`` raised. torch's zip writer
+    turns a failed write into ``RuntimeError: [enforce fail at inline_container.cc]
+    unexpected pos``, which names no cause; the error recorded here does."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self._file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+
+def _file_size_limit() -> int | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def write_failure(exc: BaseException, path: str | Path, written: int | None = None) -> OSError | None:
+    """The OSError that made a write of ``path`` fail, named for ``path``: one
+    raised or recorded in ``exc``'s chain (a library may wrap it in an error of its
+    own), else the cause read off the file system when ``exc`` is a RuntimeError
+    (torch's writers raise one on a short write): no free space left, or
+    ``written`` bytes at the file-size limit (``ulimit -f``). None when ``exc`` is
+    no write failure (a bug, a bad payload)."""
+    found: OSError | None = None
+    for link in _chain(exc):
+        if isinstance(link, OSError) and link.errno is not None:
+            found = link
+            break
+    if found is None and isinstance(exc, RuntimeError):
+        limit = _file_size_limit()
+        if limit is not None and written is not None and written >= limit:
+            found = OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+        else:
+            try:
+                stat = os.statvfs(Path(path).parent)
+                if stat.f_bavail == 0:
+                    found = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except (OSError, AttributeError):
+                pass
+    if found is None:
+        return None
+    return OSError(found.errno, found.strerror or os.strerror(found.errno), str(path))
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not s for s in seen):
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
     """Write ``path`` through ``write(file)`` so that a crash at any moment leaves
     either the old file or the new one, never a truncated one.
@@ -248,9 +321,16 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
     Unlike ``tempfile.mkstemp`` (mode 0600) the file is created with mode 0666
     minus the umask, as ``open()`` would, so checkpoints get the same permissions
     as every other file of the run.
+
+    A write that fails for want of room, permission or size raises an OSError that
+    names ``path`` (not the temporary file) and the cause, whatever the writer
+    raised (see :func:`write_failure`); the old file is left as it was.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise (write_failure(exc, path) or exc) from None
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     while True:
         tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
@@ -259,17 +339,36 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
             break
         except FileExistsError:
             continue
+        except OSError as exc:
+            raise (write_failure(exc, path) or exc) from None
+    recording: _RecordingFile | None = None
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            recording = _RecordingFile(f)
+            write(recording)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except Exception as exc:
+        written = _size(tmp)
+        tmp.unlink(missing_ok=True)
+        recorded = recording.error if recording is not None else None
+        failure = write_failure(recorded or exc, path, written)
+        if failure is None:
+            raise
+        raise failure from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
     return path
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

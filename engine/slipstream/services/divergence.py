@@ -4,7 +4,9 @@ Each step's loss stays on the device (:mod:`slipstream.services.losses` keeps it
 the losses of an interval are read together at the logging interval, where the
 metrics log already waits for the device, and before every checkpoint, and this
 monitor looks at every value read: the loop never syncs per step, and a checkpoint
-is never written after an unnoticed NaN.
+is never written after an unnoticed NaN. At the first non-finite loss it says where
+the run went non-finite (:mod:`slipstream.services.nonfinite`), looked at then and
+only then.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
+from ..errors import ConfigError, describe
 from ..state import State
 from .losses import TrainLosses
+from .nonfinite import locate
 
 ON_NONFINITE = ("stop", "warn")
 
@@ -84,17 +87,30 @@ class DivergenceMonitor:
         )
         record["steps"] = self.nonfinite_steps
         message = f"the training loss is {value} at step {first_step}{' ' + where if where else ''}"
+        if not first:
+            return
+        # Where it went non-finite, looked at once (a sync and a look at the
+        # parameters): never while the losses are finite.
+        try:
+            found = locate(state)
+        except Exception as exc:  # the report must not fail the run it reports on
+            found = {
+                "message": f"where it went non-finite was not found ({describe(exc)})",
+                "hint": "lower optimizer.lr, add grad_clipping, or set trainer.on_nonfinite=warn "
+                "to train on",
+            }
+        state.summary["nonfinite_at"] = {k: v for k, v in found.items() if k != "message"}
+        message = f"{message}; {found['message']}"
         if self.on_nonfinite == "stop":
             state.request_stop(
                 "diverged",
                 f"diverged: {message}; stopped, and no checkpoint of the diverged weights was "
-                "written (lower optimizer.lr, add grad_clipping, or set "
-                "trainer.on_nonfinite=warn to train on)",
+                f"written ({found['hint']})",
             )
-        elif first:
+        else:
             warnings.warn(
                 f"slipstream: {message}; training on (trainer.on_nonfinite=warn), and no "
-                "checkpoint is written while the weights are not finite",
+                f"checkpoint is written while the weights are not finite ({found['hint']})",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -204,7 +204,11 @@ class MetricsLogger:
             return
         lines = [strict_json(record) for record in self._pending]
         self._pending = []
-        self._file.write("\n".join(lines) + "\n")
+        try:
+            self._file.write("\n".join(lines) + "\n")
+        except OSError as exc:
+            # A file object's write names no file: the message must say which one.
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
         if self._listened:
             for line in lines:
                 self.hooks.log_metrics(state=self._state, record=json.loads(line))

@@ -12,12 +12,14 @@ per second of training: evaluation time is taken out.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..errors import describe_os_error
 from ..hookspecs import hookimpl
 from ..rundir import SUMMARY, atomic_write_text, strict_json
 from ..state import State
@@ -84,14 +86,29 @@ class SummaryWriter:
             **state.summary,
         }
 
+    @property
+    def started(self) -> bool:
+        """Whether the run got as far as ``fit_start`` (so that it has a summary)."""
+        return self._started
+
     def _write(self, state: State, status: str, error: BaseException | None = None) -> None:
         self.summary = self.build(state, status)
         if state.stop_reason is not None:
             self.summary["stop_reason"] = state.stop_reason
         if error is not None:
             self.summary["error"] = f"{type(error).__name__}: {error}"
-        if self.write and self._started:
+        if not (self.write and self._started):
+            return
+        try:
             atomic_write_text(self.path, strict_json(self.summary, indent=2) + "\n")
+        except OSError as exc:
+            if error is None:
+                raise
+            # The run's own error (often the same full disk) is what the user must
+            # see: a summary that cannot be written now is told, not raised over it.
+            warnings.warn(
+                f"slipstream: {SUMMARY} was not written: {describe_os_error(exc)}", stacklevel=2
+            )
 
     @hookimpl
     def fit_start(self, state: State) -> None:
