@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..hookspecs import hookimpl
+from ..peak_flops import device_label
 from ..rundir import SUMMARY, atomic_write_text, strict_json
 from ..state import State
 from ..versions import library_versions
@@ -77,6 +78,7 @@ class SummaryWriter:
             "callbacks": self.callback_records(),
             "versions": library_versions(),
             "device": str(state.device),
+            "device_name": device_label(state.device),  # the GPU or CPU model
             "world_size": state.world_size,
             "threads": torch.get_num_threads(),
             "run_dir": str(state.run_dir),
