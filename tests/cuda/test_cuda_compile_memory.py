@@ -89,7 +89,7 @@ def test_a_mid_epoch_resume_is_bit_exact_with_deterministic_settings(tmp_path):
         )
         return {k: v.detach().cpu() for k, v in trainer.state.unwrapped_model.state_dict().items()}
 
-    whole = run("whole", max_duration="8ba", checkpoint_interval="3ba")
+    whole = run("whole", max_duration="8ba", checkpoint_interval="3ba", checkpoint_keep=5)
     ckpt = tmp_path / "whole" / "run" / "checkpoints"
     mid = sorted(ckpt.glob("*ba3.pt"))
     assert mid, sorted(p.name for p in ckpt.iterdir())
