@@ -139,7 +139,7 @@ def main() -> None:
         raise SystemExit(f"gpu_wheels: more than one version in {dest}: {twice}; delete the folder and run again")
     total = sum(w.stat().st_size for w in dest.glob("*.whl")) / 2**20
     if total > LIMIT_MIB:
-        raise SystemExit(f"gpu_wheels: {total:.1f} MiB of wheels in {dest}, over {LIMIT_MIB} MiB (the tree travels in 64)")
+        raise SystemExit(f"gpu_wheels: {total:.1f} MiB of wheels in {dest}, over {LIMIT_MIB} MiB (64 in all travel)")
     print(f"gpu_wheels: {len(by_name)} wheels, {total:.1f} MiB in {dest} (carry the folder to the device)")
 
 
