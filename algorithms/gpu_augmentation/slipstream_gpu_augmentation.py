@@ -247,6 +247,17 @@ def build_augmentation(config: GpuAugmentationConfig | None = None) -> nn.Module
     return nn.Sequential(*stages)
 
 
+# The range arguments of kornia's generators (a crop's scale and aspect ratio) that
+# they keep as given, numbers included.
+_RANGES = ("scale", "ratio")
+
+
+def _numbers(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and bool(value) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+    )
+
+
 def place_pipeline(pipeline: nn.Module, device: torch.device) -> nn.Module:
     """Move ``pipeline`` to ``device`` and have kornia draw its random parameters
     there, so that no parameter is copied from the host for each batch. Returns it."""
@@ -262,6 +273,10 @@ def place_pipeline(pipeline: nn.Module, device: torch.device) -> nn.Module:
             for attr, value in vars(generator).items():
                 if isinstance(value, torch.Tensor) and value.device != device:
                     setattr(generator, attr, value.to(device))
+                elif attr in _RANGES and _numbers(value) and device.type != "cpu":
+                    # A range kept as numbers becomes a new device tensor, copied from
+                    # the host, at every batch: make it one once.
+                    setattr(generator, attr, torch.tensor(value, dtype=torch.float32, device=device))
     return pipeline
 
 

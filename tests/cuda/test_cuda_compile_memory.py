@@ -4,6 +4,7 @@ mid-epoch resume."""
 
 from __future__ import annotations
 
+import gc
 import json
 import warnings
 
@@ -51,7 +52,12 @@ def test_summary_has_cuda_peak_memory_and_a_plausible_mfu(tmp_path):
 
 
 def test_the_probed_peak_is_plausible_for_the_device(tmp_path):
-    peak = peak_flops(torch.device("cuda"), path=tmp_path / "peak.json").tflops()
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # fp32 as fp32, not TF32 (another test may have set it)
+    try:
+        peak = peak_flops(torch.device("cuda"), path=tmp_path / "peak.json").tflops()
+    finally:
+        torch.set_float32_matmul_precision(previous)
     name = torch.cuda.get_device_name()
     sheet = next((v for k, v in DATASHEET.items() if k in name), None)
     if sheet is None:
@@ -64,6 +70,8 @@ def test_the_probed_peak_is_plausible_for_the_device(tmp_path):
 
 def test_activation_checkpointing_lowers_the_measured_peak(tmp_path):
     def peak(run: str, algorithms: list) -> float:
+        gc.collect()  # the first run's model and optimizer: not in the second run's peak
+        torch.cuda.empty_cache()
         torch.manual_seed(0)
         model = build_model("resnet18", 4, image_size=64, cifar_stem=True)
         loaders = synthetic_loaders(n=64, image_size=64, batch_size=64)
@@ -76,6 +84,15 @@ def test_activation_checkpointing_lowers_the_measured_peak(tmp_path):
     assert checkpointed < 0.8 * plain, (checkpointed, plain)
 
 
+@pytest.fixture
+def _restore_determinism():
+    # A deterministic run switches torch's global mode on and leaves it (a user's choice).
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.mark.usefixtures("_restore_determinism")
 def test_a_mid_epoch_resume_is_bit_exact_with_deterministic_settings(tmp_path):
     def run(name: str, **kwargs) -> dict[str, torch.Tensor]:
         model = small_model()
