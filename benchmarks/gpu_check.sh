@@ -32,13 +32,6 @@ if [[ -z "${PYTHON:-}" ]]; then
     if [[ $DRY == 1 && -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 command -v "$PYTHON" >/dev/null 2>&1 || { echo "gpu_check: missing: $PYTHON (set PYTHON)" >&2; exit 2; }
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
-if [[ -z "${OUT:-}" ]]; then OUT="$WORK/out"; fi
-mkdir -p "$OUT"
-SITE="$WORK/site"
-export PYTHONUNBUFFERED=1 XDG_CACHE_HOME="$WORK/cache" MPLBACKEND=Agg
-# Inductor's and Triton's caches in the work folder: a fresh machine has none anyway.
-export TORCHINDUCTOR_CACHE_DIR="$WORK/inductor" TRITON_CACHE_DIR="$WORK/triton"
 DRYFLAG=(); [[ $DRY == 1 ]] && DRYFLAG=(--dry-run)
 
 # GPU_CHECK_SKIP="cuda_tests fast": steps to leave out (the test suite's dry run leaves
@@ -68,6 +61,14 @@ step() {
 
 # 1. Prerequisites, one line either way.
 "$PYTHON" benchmarks/gpu_check.py prereq --wheels "$WHEELS" "${DRYFLAG[@]}" || exit 2
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+if [[ -z "${OUT:-}" ]]; then OUT="$WORK/out"; fi
+mkdir -p "$OUT"
+SITE="$WORK/site"
+export PYTHONUNBUFFERED=1 XDG_CACHE_HOME="$WORK/cache" MPLBACKEND=Agg
+# Inductor's and Triton's caches in the work folder: a fresh machine has none anyway.
+export TORCHINDUCTOR_CACHE_DIR="$WORK/inductor" TRITON_CACHE_DIR="$WORK/triton"
 
 # 2. Install, offline: the carried wheels, then the engine and plugins (no dependencies).
 install() {
