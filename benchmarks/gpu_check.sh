@@ -49,7 +49,7 @@ step() {
         return 0
     fi
     echo "gpu_check: $name (limit ${limit} s)"
-    timeout --signal=TERM --kill-after=20 "$limit" "$@" >"$WORK/$name.log" 2>&1
+    timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
     rc=$?
     printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - started))" >>"$WORK/steps.tsv"
     if [[ $rc != 0 ]]; then
@@ -94,11 +94,11 @@ install() {
 }
 export -f install
 export WHEELS DRY PYTHON SITE
-step install 120 bash -c install || { echo "gpu_check: the installation failed; see $WORK/install.log" >&2; cp "$WORK/install.log" "$OUT/" 2>/dev/null; exit 1; }
+step install 45 bash -c install || { echo "gpu_check: the installation failed; see $WORK/install.log" >&2; cp "$WORK/install.log" "$OUT/" 2>/dev/null; exit 1; }
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # 3. The CUDA tests (skipped, with the reason, on a machine without CUDA).
-step cuda_tests 240 "$PYTHON" -m pytest -q -m cuda -rs -p no:cacheprovider --junitxml="$WORK/cuda_tests.xml" \
+step cuda_tests 210 "$PYTHON" -m pytest -v -m cuda -rs -p no:cacheprovider --junitxml="$WORK/cuda_tests.xml" \
     tests/cuda tests/algorithms/test_mixed_precision.py tests/algorithms/test_matmul_precision.py
 
 # 4. The time-to-accuracy pair: fp32 baseline, then the fast recipe with bf16,
@@ -115,9 +115,9 @@ else
     BASE_EPOCHS=${GPU_CHECK_BASE_EPOCHS:-16} FAST_EPOCHS=${GPU_CHECK_FAST_EPOCHS:-8} FAST_EXTRA=()
 fi
 COMMON=("${SCALE[@]}" trainer.progress_bar=false trainer.checkpoint_interval=null)
-step baseline 90 "$PYTHON" -m slipstream train --recipe resnet18_baseline "${COMMON[@]}" \
+step baseline 85 "$PYTHON" -m slipstream train --recipe resnet18_baseline "${COMMON[@]}" \
     trainer.max_duration="${BASE_EPOCHS}ep" trainer.run_dir="$WORK/baseline"
-step fast 130 "$PYTHON" -m slipstream train --recipe resnet18_fast --algorithms torch_compile "${COMMON[@]}" \
+step fast 120 "$PYTHON" -m slipstream train --recipe resnet18_fast --algorithms torch_compile "${COMMON[@]}" \
     algorithms.mixed_precision.dtype=bf16 "${FAST_EXTRA[@]}" \
     trainer.max_duration="${FAST_EPOCHS}ep" trainer.run_dir="$WORK/fast"
 
