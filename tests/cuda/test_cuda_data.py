@@ -125,7 +125,7 @@ def test_gpu_augmentation_runs_on_the_device_without_host_copies(tmp_path):
             torch.cuda.synchronize()
         copies = _memcpy_events(prof)
         assert copies == [], f"{preset}: {len(copies)} host copies in 5 batches: {sorted(set(copies))}; " + (
-            f"synchronising calls at {_syncs(lambda: augment_batch(images, pipeline, 99))}"
+            f"synchronising calls at {_syncs(lambda x=images, p=pipeline: augment_batch(x, p, 99))}"
         )
         assert all(o.is_cuda and o.dtype == torch.float32 and o.shape == images.shape for o in outs)
         assert not torch.equal(outs[0], outs[1])  # random per batch
