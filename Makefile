@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # worker (module fixtures run once); `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: setup train test lint bench clean
+.PHONY: setup train test lint bench clean gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -30,6 +30,15 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py $(ARGS)
+
+# The wheels the bare, offline GPU machine lacks (omegaconf, kornia, ...), for its
+# Python 3.12 on manylinux x86-64, into .gpu-wheels/ (git-ignored; carry it). docs/gpu.md.
+gpu-wheels: $(STAMP)
+	$(BIN)/python benchmarks/gpu_wheels.py $(ARGS)
+
+# On the GPU machine: bash benchmarks/gpu_check.sh. Here: its dry run at toy size on the CPU.
+gpu-check: $(STAMP)
+	bash benchmarks/gpu_check.sh --dry-run
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

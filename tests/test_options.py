@@ -139,3 +139,24 @@ def test_the_readme_python_example_runs(tmp_path, monkeypatch):
     assert namespace["summary"]["status"] == "completed"
     assert namespace["summary"]["accuracy"] is not None
     assert (tmp_path / "runs" / "mine" / "config.yaml").exists()
+
+
+def test_deterministic_warns_on_cuda_and_refuses_on_cpu(monkeypatch):
+    # On CUDA torch has no deterministic-flagged kernel for the global average pool's
+    # backward (every timm and torchvision CNN): strict mode would stop such a run at its
+    # first step, so CUDA runs warn; the CPU keeps the strict mode.
+    import os
+
+    from slipstream.options import apply_process_settings
+
+    calls = []
+
+    def record(mode, warn_only=False):
+        calls.append((mode, warn_only))
+
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", record)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"})
+    apply_process_settings(TrainerOptions(deterministic=True), torch.device("cuda"))
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # cuBLAS's deterministic workspace
+    apply_process_settings(TrainerOptions(deterministic=True), torch.device("cpu"))
+    assert calls == [(True, True), (True, False)]

@@ -242,7 +242,9 @@ class FSDP(Algorithm):
 
     @hookimpl
     def init(self, state: State) -> None:
-        if not (dist.is_available() and dist.is_initialized() and state.world_size > 1):
+        # A process group of one, set up by the caller, is allowed: FSDP2 runs there
+        # (nothing to shard), which is how one GPU tests it over NCCL.
+        if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 "algorithms.fsdp shards the model across processes and this run has one: "
                 "launch it with `slipstream train --nproc-per-node N` (or torchrun), or drop fsdp"

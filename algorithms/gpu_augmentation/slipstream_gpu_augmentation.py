@@ -21,7 +21,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,6 +247,17 @@ def build_augmentation(config: GpuAugmentationConfig | None = None) -> nn.Module
     return nn.Sequential(*stages)
 
 
+# The range arguments of kornia's generators (a crop's scale and aspect ratio) that
+# they keep as given, numbers included.
+_RANGES = ("scale", "ratio")
+
+
+def _numbers(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and bool(value) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+    )
+
+
 def place_pipeline(pipeline: nn.Module, device: torch.device) -> nn.Module:
     """Move ``pipeline`` to ``device`` and have kornia draw its random parameters
     there, so that no parameter is copied from the host for each batch. Returns it."""
@@ -254,6 +265,18 @@ def place_pipeline(pipeline: nn.Module, device: torch.device) -> nn.Module:
     for module in pipeline.modules():
         if hasattr(module, "set_rng_device_and_dtype"):  # every kornia augmentation
             module.set_rng_device_and_dtype(device, torch.float32)
+        generator = getattr(module, "_param_generator", None)
+        if generator is not None:
+            # kornia's generators take the device of their parameters from the ranges
+            # they hold (kornia#4426): a range kept as a CPU tensor makes each batch's
+            # random draws travel to the host and the crop matrices back.
+            for attr, value in vars(generator).items():
+                if isinstance(value, torch.Tensor) and value.device != device:
+                    setattr(generator, attr, value.to(device))
+                elif attr in _RANGES and _numbers(value) and device.type != "cpu":
+                    # A range kept as numbers becomes a new device tensor, copied from
+                    # the host, at every batch: make it one once.
+                    setattr(generator, attr, torch.tensor(value, dtype=torch.float32, device=device))
     return pipeline
 
 
@@ -297,11 +320,11 @@ def augment_batch(
     the input's shape, is float in [0, 1]; ``inputs`` is not modified.
     """
     inputs = to_unit_float(inputs)
-    if seed is None:
+    # A range given as numbers (a crop's scale) makes a kornia generator draw on the
+    # default device: make that the batch's, or every draw is copied to the host.
+    on_device = torch.device(inputs.device) if inputs.device.type != "cpu" else nullcontext()
+    with on_device, _seeded(seed, inputs.device) if seed is not None else nullcontext():
         out = pipeline(inputs)
-    else:
-        with _seeded(seed, inputs.device):
-            out = pipeline(inputs)
     if out.shape != inputs.shape:
         raise ValueError(
             f"the augmentation changed the batch shape from {tuple(inputs.shape)} "

@@ -187,6 +187,23 @@ def test_one_process_is_refused_with_how_to_launch(tmp_path):
         one_process(tmp_path, batches=1, algorithms=[FSDP()])
 
 
+def test_a_process_group_of_one_set_up_by_the_caller_is_accepted(tmp_path):
+    # How one GPU tests fsdp over NCCL (tests/cuda); here over gloo. Sharded over one
+    # rank, it trains to the weights of the run without it.
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        sharded = one_process(tmp_path / "fsdp", batches=2, algorithms=[FSDP()])
+        model = sharded.state.unwrapped_model
+        assert sharded.summary["fsdp"]["units"] > 1 and any(isinstance(p, DTensor) for p in model.parameters())
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    finally:
+        dist.destroy_process_group()
+    plain = one_process(tmp_path / "plain", batches=2).state.unwrapped_model.state_dict()
+    assert all(torch.equal(full[k], plain[k]) for k in plain)
+
+
 def test_units_auto_named_and_by_size():
     vit, resnet = tiny_model("vit"), tiny_model("resnet")
     assert auto_units(vit) == [f"blocks.{i}" for i in range(len(vit.blocks))]

@@ -131,6 +131,7 @@ def test_discovered_through_entry_point():
     assert info.distribution == "slipstream-matmul_precision"
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU on this machine)")
 def test_tf32_on_cuda():
     previous = set_matmul_precision("high")

@@ -273,6 +273,7 @@ def test_fp16_training_tracks_fp32(tmp_path):
     _tracks_fp32(half, fp32)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU on this machine)")
 def test_cuda_auto_dtype_and_fp16_scaler(tmp_path):
     expected = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import describe_os_error
 from ..hookspecs import hookimpl
+from ..peak_flops import device_label
 from ..rundir import SUMMARY, atomic_write_text, strict_json
 from ..state import State
 from ..versions import library_versions
@@ -79,6 +80,7 @@ class SummaryWriter:
             "callbacks": self.callback_records(),
             "versions": library_versions(),
             "device": str(state.device),
+            "device_name": device_label(state.device),  # the GPU or CPU model
             "world_size": state.world_size,
             "threads": torch.get_num_threads(),
             "run_dir": str(state.run_dir),
