@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .algorithm import Algorithm
 from .callback import Callback
+from .data.plugin import DATASETS_GROUP, DatasetPlugin
 from .errors import ConfigError, PluginError, did_you_mean
 from .hookspecs import STEPS
 from .plugin import Plugin
@@ -28,6 +29,7 @@ CALLBACKS_GROUP = "slipstream.callbacks"
 GROUPS: dict[str, tuple[type[Plugin], str]] = {
     ENTRY_POINT_GROUP: (Algorithm, "algorithm"),
     CALLBACKS_GROUP: (Callback, "callback"),
+    DATASETS_GROUP: (DatasetPlugin, "dataset"),
 }
 
 
