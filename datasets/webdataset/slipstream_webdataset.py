@@ -301,7 +301,7 @@ def convert_imagefolder(src: str, out: str, *, shard_size: int, progress: bool =
     result: dict[str, Any] = {"samples": {}, "shards": {}}
     total = sum(len(s) for s, _ in plan.values())
     bar = tqdm(total=total, unit="img", desc="convert", disable=not progress)
-    for split, (samples, classes) in plan.items():
+    for split, (samples, _classes) in plan.items():
         pattern = str(out_dir / f"{split}-%06d.tar")
         with wds.ShardWriter(pattern, maxsize=shard_size, maxcount=10**9, verbose=0) as sink:
             for i, (path, label) in enumerate(samples):

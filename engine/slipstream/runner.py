@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+
 from omegaconf import DictConfig
 
 from .config import to_dict

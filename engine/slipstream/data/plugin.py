@@ -26,6 +26,16 @@ DATASETS_GROUP = "slipstream.datasets"
 
 Stats = tuple[tuple[float, float, float], tuple[float, float, float]]
 
+# `slipstream datasets` without importing them (the engine's distribution summary
+# describes the engine, not each source). Kept in step with the classes' docstrings.
+BUILTIN_SUMMARIES = {
+    "synthetic": "Procedurally generated shapes: learnable, deterministic, any resolution, no download.",
+    "cifar10": "CIFAR-10 through torchvision (data.root; data.download fetches it).",
+    "cifar100": "CIFAR-100 through torchvision (data.root; data.download fetches it).",
+    "imagefolder": "An ImageFolder tree (data.root/train/<class>/, data.root/val/<class>/); "
+    "unreadable images skipped and named.",
+}
+
 # The engine's own data.* keys, read for every source; anything else in the data
 # section belongs to the chosen dataset plugin (its config_class).
 COMMON_KEYS: tuple[str, ...] = (
