@@ -241,6 +241,5 @@ class StreamLoader:
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
         )
-        start, self.start_batch = self.start_batch, 0  # a resume applies to one epoch only
-        del start
+        self.start_batch = 0  # the stream above keeps it: a resume applies to one epoch only
         return iter(loader)
