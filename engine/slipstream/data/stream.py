@@ -242,4 +242,15 @@ class StreamLoader:
             pin_memory=self.pin_memory,
         )
         self.start_batch = 0  # the stream above keeps it: a resume applies to one epoch only
-        return iter(loader)
+        return _one_line_errors(iter(loader))
+
+
+def _one_line_errors(batches: Iterator[Any]) -> Iterator[Any]:
+    """A DataError raised in a loader worker arrives with the worker's traceback in its
+    message; the user needs its last line only."""
+    try:
+        yield from batches
+    except DataError as err:
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        last = lines[-1] if lines else ""
+        raise DataError(last.split("DataError: ", 1)[-1]) from None
