@@ -313,7 +313,7 @@ def test_huggingface_parquet_files(data, tmp_path) -> None:
 def test_example_dataset_plugin_installs_and_is_found(tmp_path, monkeypatch) -> None:
     import shutil
 
-    from slipstream.data.plugin import discover_datasets
+    from slipstream.data.sources import discover_datasets
 
     source = shutil.copytree(Path(__file__).resolve().parents[1] / "examples" / "npz_dataset", tmp_path / "src")
     site = tmp_path / "site"

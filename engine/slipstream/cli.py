@@ -474,7 +474,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _datasets(args: argparse.Namespace) -> int:
-    from .data.plugin import DATASETS_GROUP
+    from .data.sources import DATASETS_GROUP
 
     return print_plugin_listing(DATASETS_GROUP, "datasets", check=args.check, as_json=args.json)
 
@@ -494,7 +494,7 @@ def parse_size(text: str) -> int:
 
 
 def _data(args: argparse.Namespace) -> int:
-    from .data.plugin import dataset_class
+    from .data.sources import dataset_class
 
     if args.data_command != "convert":
         print("slipstream: error: say what to do: slipstream data convert ...", file=sys.stderr)

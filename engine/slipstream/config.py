@@ -179,7 +179,7 @@ def check_keys(cfg: dict[str, Any], source: str) -> None:
 
 def dataset_plugin_keys() -> list[str]:
     """Every data.* key some installed dataset plugin declares (imports the plugins)."""
-    from .data.plugin import dataset_keys, discover_datasets
+    from .data.sources import dataset_keys, discover_datasets
 
     keys: list[str] = []
     for info in discover_datasets(load=True).values():
@@ -191,7 +191,7 @@ def dataset_plugin_keys() -> list[str]:
 def check_data(cfg: DictConfig) -> None:
     """``data.name`` is an installed dataset plugin and the data keys it declares are
     valid; a key only another dataset reads is an error naming the chosen one."""
-    from .data.plugin import build_dataset_plugin
+    from .data.sources import build_dataset_plugin
 
     build_dataset_plugin(_plain(cfg.data))
 

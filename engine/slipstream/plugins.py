@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .algorithm import Algorithm
 from .callback import Callback
-from .data.plugin import BUILTIN_SUMMARIES, DATASETS_GROUP, DatasetPlugin
+from .data.sources import BUILTIN_SUMMARIES, DATASETS_GROUP, DatasetPlugin
 from .errors import ConfigError, PluginError, did_you_mean
 from .hookspecs import STEPS
 from .plugin import Plugin

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from .config import to_dict
 from .data.datasets import DataError
-from .data.plugin import DataRequest, build_dataset_plugin
+from .data.sources import DataRequest, build_dataset_plugin
 from .distributed import from_rank0, init_distributed, resolve_device
 from .errors import ConfigError
 from .models import build_model

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .datasets import DATASET_STATS, build_datasets
-from .plugin import DataRequest, DatasetPlugin
+from .sources import DataRequest, DatasetPlugin
 
 
 @dataclass
