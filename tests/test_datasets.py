@@ -308,6 +308,9 @@ def test_huggingface_parquet_files(data, tmp_path) -> None:
         hf[split].to_parquet(str(tmp_path / "data" / f"{split}-00000-of-00001.parquet"))
     out = built({"name": "huggingface", "path": str(tmp_path / "data")})
     assert sorted(epoch_prints(out.train, 0)) == sorted(data["every"])
+    assert sum(len(images) for images, _ in out.eval) == VAL
+    only_train = built({"name": "huggingface", "path": str(tmp_path / "data" / "train-00000-of-00001.parquet")})
+    assert only_train.eval is None  # no evaluation split: no evaluation, said in docs/data.md
 
 
 def test_example_dataset_plugin_installs_and_is_found(tmp_path, monkeypatch) -> None:

@@ -31,7 +31,8 @@ EVAL_SPLITS = ("validation", "valid", "val", "test")
 class HuggingFaceConfig:
     path: Optional[str] = None  # a load_from_disk folder, or parquet/arrow files (a file, glob or folder)
     split: str = "train"
-    eval_split: Optional[str] = None  # null: the first of validation, valid, val, test that exists
+    # null: the first of validation, valid, val, test that exists (none: no evaluation data)
+    eval_split: Optional[str] = None
     image_column: str = "image"
     label_column: str = "label"
 
@@ -171,20 +172,21 @@ class HuggingFaceDataset(DatasetPlugin):
         if c.split not in splits:
             raise DataError(f"data.split={c.split!r} is not in {c.path}; its splits: {', '.join(splits)}")
         eval_split = c.eval_split or next((s for s in EVAL_SPLITS if s in splits), None)
-        if eval_split is None or eval_split not in splits:
+        if eval_split is not None and eval_split not in splits:
             raise DataError(
                 f"data.eval_split={eval_split!r}: {c.path} has no such split; its splits: {', '.join(splits)}"
             )
-        tables = [splits[c.split], splits[eval_split]]
-        for table, split in zip(tables, (c.split, eval_split), strict=True):
+        names = [c.split] if eval_split is None else [c.split, eval_split]  # no eval split: no evaluation
+        tables = [splits[name] for name in names]
+        for table, split in zip(tables, names, strict=True):
             for key, column in (("image_column", c.image_column), ("label_column", c.label_column)):
                 if column not in table.column_names:
                     raise DataError(
                         f"data.{key}={column!r} is not a column of {c.path} ({split}); "
                         f"its columns: {', '.join(table.column_names)}"
                     )
-        train, val = (
+        train, *val = (
             HFImages(t, c.image_column, c.label_column, request.image_size, f"{c.path}:{s}")
-            for t, s in zip(tables, (c.split, eval_split), strict=True)
+            for t, s in zip(tables, names, strict=True)
         )
-        return train, val, _num_classes(tables, c.label_column)
+        return train, (val[0] if val else None), _num_classes(tables, c.label_column)

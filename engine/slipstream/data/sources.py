@@ -94,7 +94,8 @@ class DatasetPlugin(Plugin):
     stats: ClassVar[Optional[Stats]] = None
 
     def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:
-        """``(train, val, num_classes)`` as map-style datasets of ``(uint8 C x H x W, int)``."""
+        """``(train, val, num_classes)`` as map-style datasets of ``(uint8 C x H x W, int)``;
+        ``val`` may be None (no evaluation data)."""
         raise NotImplementedError(f"dataset {self.name!r} implements neither build() nor datasets()")
 
     def build(self, request: DataRequest) -> BuiltData:
@@ -114,9 +115,9 @@ class DatasetPlugin(Plugin):
             train=build_loader(
                 train, batch_size=request.batch_size, shuffle=True, drop_last=request.drop_last, **common
             ),
-            eval=build_loader(
-                val, batch_size=request.eval_batch_size, shuffle=False, drop_last=False, **common
-            ),
+            eval=None
+            if val is None
+            else build_loader(val, batch_size=request.eval_batch_size, shuffle=False, drop_last=False, **common),
             num_classes=num_classes,
             stats=self.stats,
         )
