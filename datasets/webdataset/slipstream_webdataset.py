@@ -170,12 +170,43 @@ def _stream_members(url: str, labels_only: bool = False) -> Iterator[tuple[str, 
             pass
 
 
+def index_shards(urls: list[str]) -> list[ShardIndex]:
+    """Every shard's index. The shards are shared out among the ranks of a distributed
+    run (each indexes 1/world of them, a few at a time, and all ranks exchange the
+    results), so the pass costs one read of the headers in total, not one per rank;
+    an error on any rank is raised on every rank, so none waits for the others."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    mine = list(range(rank, len(urls), world))
+    result: Any
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(8, len(mine)))) as pool:  # I/O bound: threads
+            result = dict(zip(mine, pool.map(index_shard, [urls[i] for i in mine]), strict=True))
+    except DataError as err:
+        result = str(err)
+    parts = [result]
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, result)
+    errors = [p for p in parts if isinstance(p, str)]
+    if errors:
+        raise DataError(errors[0])
+    merged: dict[int, ShardIndex] = {}
+    for part in parts:
+        merged.update(part)
+    return [merged[i] for i in range(len(urls))]
+
+
 class ShardSet:
     """A list of shards as the engine's StreamLoader reads them (a ShardSource)."""
 
     def __init__(self, urls: list[str], image_size: int) -> None:
         self.urls = urls
-        self.indexes = [index_shard(u) for u in urls]
+        self.indexes = index_shards(urls)
         self.shard_sizes = [len(i.labels) for i in self.indexes]
         self.resize = ResizeCrop(image_size)
         empty = [u for u, n in zip(urls, self.shard_sizes, strict=True) if n == 0]
