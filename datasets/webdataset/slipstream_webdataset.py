@@ -209,13 +209,11 @@ class ShardSet:
         self.indexes = index_shards(urls)
         self.shard_sizes = [len(i.labels) for i in self.indexes]
         self.resize = ResizeCrop(image_size)
-        empty = [u for u, n in zip(urls, self.shard_sizes, strict=True) if n == 0]
         if sum(self.shard_sizes) == 0:
             raise DataError(
                 f"the {len(urls)} shards hold no sample with an image ({', '.join(IMAGE_EXTS)}) and a .{LABEL_EXT} "
                 f"label (first shard: {urls[0]})"
             )
-        self.empty = empty
 
     @property
     def num_classes(self) -> int:
