@@ -40,7 +40,10 @@ class HuggingFaceConfig:
 def _load(path: str) -> dict[str, Any]:
     """Split name -> datasets.Dataset, from disk only."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # never reach for the Hub
-    import datasets
+    try:
+        import datasets
+    except ImportError as err:
+        raise DataError(f"data.name=huggingface needs the datasets package ({err}): pip install datasets") from None
 
     datasets.disable_progress_bars()
     p = Path(path)

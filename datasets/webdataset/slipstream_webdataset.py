@@ -42,7 +42,10 @@ class WebDatasetConfig:
 
 def expand(urls: Any, key: str) -> list[str]:
     """The shard URLs of ``data.<key>``: brace patterns expanded, local globs matched."""
-    import webdataset as wds
+    try:
+        import webdataset as wds
+    except ImportError as err:
+        raise DataError(f"data.name=webdataset needs the webdataset package ({err}): pip install webdataset") from None
 
     if urls is None or urls == "" or urls == []:
         raise DataError(f"webdataset needs data.{key}: a shard pattern like shards/train-{{000000..000099}}.tar")
