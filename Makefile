@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PLUGINS := $(sort $(wildcard algorithms/*/pyproject.toml callbacks/*/pyproject.toml))
+PLUGINS := $(sort $(wildcard algorithms/*/pyproject.toml callbacks/*/pyproject.toml datasets/*/pyproject.toml))
 STAMP := $(VENV)/.installed
 # `make test` runs the suite on this many pytest-xdist workers, a test file per
 # worker (module fixtures run once); `make test TEST_WORKERS=0` runs it in one process.

@@ -4,6 +4,8 @@ slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [--callbacks a,
                  [--nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]]
 slipstream algorithms [--json] [--check]
 slipstream callbacks [--json] [--check]
+slipstream datasets [--json] [--check]
+slipstream data convert imagefolder DIR --to webdataset OUT [--shard-size 256MB]
 slipstream recipes [--json]
 slipstream sweep --recipe R --trials N [--sweep-dir D] [--metric accuracy] [--direction maximize]
                  key=loguniform(a,b) key=uniform(a,b) key=int(a,b) key=choice(x,y) [key=value ...]
@@ -145,6 +147,21 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     _add_listing(sub, "callbacks", "callback")
+    _add_listing(sub, "datasets", "dataset")
+
+    data = sub.add_parser("data", help="data tools: convert an ImageFolder tree to shards")
+    data_sub = data.add_subparsers(dest="data_command", metavar="ACTION", parser_class=_Parser)
+    convert = data_sub.add_parser(
+        "convert",
+        help="write an ImageFolder tree (DIR/train/<class>/*, DIR/val/<class>/*) as shards",
+        description="slipstream data convert imagefolder DIR --to webdataset OUT [--shard-size 256MB]",
+    )
+    convert.add_argument("source", choices=["imagefolder"], help="the format of DIR")
+    convert.add_argument("src", metavar="DIR")
+    convert.add_argument("--to", required=True, metavar="FORMAT", help="the shard format: webdataset")
+    convert.add_argument("out", metavar="OUT", help="the folder the shards are written to")
+    convert.add_argument("--shard-size", default="256MB", help="bytes per shard: 256MB, 1GB, 500KB (default 256MB)")
+    convert.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     evaluate = sub.add_parser(
         "eval",
@@ -545,8 +562,49 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _datasets(args: argparse.Namespace) -> int:
+    from .data.sources import DATASETS_GROUP
+
+    return print_plugin_listing(DATASETS_GROUP, "datasets", check=args.check, as_json=args.json)
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """``256MB`` -> bytes (KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024)."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ConfigError(f"--shard-size {text!r}: give a positive size like 256MB, 1GB or 500KB")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _data(args: argparse.Namespace) -> int:
+    from .data.sources import dataset_class
+
+    if args.data_command != "convert":
+        print("slipstream: error: say what to do: slipstream data convert ...", file=sys.stderr)
+        return EXIT_USAGE
+    shard_size = parse_size(args.shard_size)
+    cls = dataset_class(args.to)
+    writer = getattr(cls, "convert", None)
+    if writer is None:
+        raise ConfigError(f"--to {args.to}: the dataset plugin {args.to!r} cannot write shards (it has no convert)")
+    result = writer(args.source, args.src, args.out, shard_size=shard_size, progress=not args.no_progress)
+    for split, count in result.get("samples", {}).items():
+        print(f"{split}: {count} images in {result['shards'][split]} shards")
+    keys = " ".join(f"'data.{k}={result[k]}'" for k in ("urls", "eval_urls") if k in result)
+    print(f"train on them with: slipstream train data.name={args.to} {keys}")
+    return 0
+
+
 _COMMANDS = {
     "train": _train,
+    "datasets": _datasets,
+    "data": _data,
     "algorithms": _algorithms,
     "callbacks": _callbacks,
     "recipes": _recipes,

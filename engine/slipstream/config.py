@@ -35,7 +35,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "synthetic"  # synthetic | cifar10 | cifar100 | imagefolder
+    # An installed dataset plugin (`slipstream datasets`): synthetic | cifar10 | cifar100 |
+    # imagefolder | webdataset | huggingface | a third party's. Keys a plugin declares
+    # besides these (data.urls, data.path ...) are checked against its config_class.
+    name: str = "synthetic"
     root: Optional[str] = None
     download: bool = False
     image_size: int = 32
@@ -198,6 +201,8 @@ def check_keys(cfg: dict[str, Any], source: str) -> None:
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: section {section!r} must be a mapping, got {values!r}")
         fields = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        if section == "data" and any(key not in fields for key in values):
+            fields = [*fields, *(k for k in dataset_plugin_keys() if k not in fields)]
         for key in values:
             if key not in fields:
                 valid = [f"{section}.{f}" for f in fields]
@@ -205,6 +210,25 @@ def check_keys(cfg: dict[str, Any], source: str) -> None:
                     f"{source}: unknown key '{section}.{key}'"
                     f"{did_you_mean(f'{section}.{key}', valid)}; allowed in {section}: {', '.join(fields)}"
                 )
+
+
+def dataset_plugin_keys() -> list[str]:
+    """Every data.* key some installed dataset plugin declares (imports the plugins)."""
+    from .data.sources import dataset_keys, discover_datasets
+
+    keys: list[str] = []
+    for info in discover_datasets(load=True).values():
+        if info.cls is not None:
+            keys.extend(k for k in dataset_keys(info.cls) if k not in keys)
+    return keys
+
+
+def check_data(cfg: DictConfig) -> None:
+    """``data.name`` is an installed dataset plugin and the data keys it declares are
+    valid; a key only another dataset reads is an error naming the chosen one."""
+    from .data.sources import build_dataset_plugin
+
+    build_dataset_plugin(_plain(cfg.data))
 
 
 def parse_algorithm_list(text: str) -> tuple[list[str], list[str]]:
@@ -253,6 +277,8 @@ def build_config(
     checkpoint's config, for eval and export) goes under the recipe; keys this
     version does not know are dropped from it."""
     merged = OmegaConf.structured(RunConfig)
+    # The chosen dataset plugin's own keys join the data section (checked in validate).
+    OmegaConf.set_struct(merged.data, False)
     layers: list[tuple[str, dict[str, Any]]] = []
     if base:
         layers.append(("the checkpoint's config", known_keys(base)))
@@ -370,6 +396,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
     check_target(cfg.trainer.target_accuracy, cfg.trainer.stop_at_target)
+    check_data(cfg)
     parse_peak_tflops(_plain(cfg.trainer.peak_tflops))
 
 

@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .algorithm import Algorithm
 from .callback import Callback
+from .data.sources import BUILTIN_SUMMARIES, DATASETS_GROUP, DatasetPlugin
 from .errors import ConfigError, PluginError, did_you_mean
 from .hookspecs import STEPS
 from .plugin import Plugin
@@ -28,6 +29,7 @@ CALLBACKS_GROUP = "slipstream.callbacks"
 GROUPS: dict[str, tuple[type[Plugin], str]] = {
     ENTRY_POINT_GROUP: (Algorithm, "algorithm"),
     CALLBACKS_GROUP: (Callback, "callback"),
+    DATASETS_GROUP: (DatasetPlugin, "dataset"),
 }
 
 
@@ -84,6 +86,8 @@ class AlgorithmInfo:
     def summary(self) -> str:
         """The distribution's summary; the class docstring's first line when the
         distribution has none and the class is loaded."""
+        if self.base is DatasetPlugin and self.distribution == "slipstream" and self.name in BUILTIN_SUMMARIES:
+            return BUILTIN_SUMMARIES[self.name]
         if self.description:
             return self.description
         return self.cls.summary() if self.cls is not None else ""

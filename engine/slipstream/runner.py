@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig
 
 from .config import to_dict
-from .data import DATASET_STATS, DataError, build_datasets, build_loader
+from .data.datasets import DataError
+from .data.sources import DataRequest, build_dataset_plugin
 from .distributed import from_rank0, init_distributed, resolve_device
 from .errors import ConfigError
 from .models import build_loss, build_model
@@ -38,12 +38,13 @@ def build_trainer(
         dict(to_dict(cfg.callbacks)), discover(load=False, group=CALLBACKS_GROUP), CALLBACKS_GROUP
     )
     t, d, m, o = cfg.trainer, cfg.data, cfg.model, cfg.optimizer
+    dataset = build_dataset_plugin(dict(to_dict(d)))
     # The same options and validation as a Trainer built in Python; the process
     # settings come first so that data and model are built seeded.
     options = TrainerOptions.from_config(
         t,
         run_dir=t.run_dir or default_run_dir(label),
-        normalize=DATASET_STATS.get(d.name) if d.normalize else None,
+        normalize=dataset.stats if d.normalize else None,
         verbose=verbose,
     ).validate(prefix="trainer.")
     device = resolve_device(t.device)
@@ -52,17 +53,20 @@ def build_trainer(
     # Named by each process's clock unless given: rank 0's name is the run's.
     options.run_dir = from_rank0(options.run_dir)
 
+    request = DataRequest(
+        image_size=d.image_size,
+        batch_size=d.batch_size,
+        eval_batch_size=d.eval_batch_size or 2 * d.batch_size,
+        num_workers=d.num_workers,
+        pin_memory=d.pin_memory and device.type == "cuda",
+        persistent_workers=d.persistent_workers,
+        drop_last=d.drop_last,
+        seed=t.seed,
+        rank=rank,
+        world_size=world_size,
+    )
     try:
-        train_set, val_set, num_classes = build_datasets(
-            d.name,
-            root=d.root,
-            image_size=d.image_size,
-            num_classes=d.num_classes,
-            train_size=d.train_size,
-            val_size=d.val_size,
-            download=d.download,
-            seed=t.seed,
-        )
+        data = dataset.build(request)
     except DataError as exc:
         raise ConfigError(f"data: {exc}") from None
     except MemoryError:
@@ -70,24 +74,9 @@ def build_trainer(
             f"data: not enough memory to build {d.name!r} with data.train_size={d.train_size}, "
             f"data.val_size={d.val_size}, data.image_size={d.image_size}; make them smaller"
         ) from None
-    loader_options: dict[str, Any] = dict(
-        seed=t.seed,
-        rank=rank,
-        world_size=world_size,
-        num_workers=d.num_workers,
-        pin_memory=d.pin_memory and device.type == "cuda",
-        persistent_workers=d.persistent_workers,
-    )
-    train_loader = build_loader(
-        train_set, batch_size=d.batch_size, shuffle=True, drop_last=d.drop_last, **loader_options
-    )
-    eval_loader = build_loader(
-        val_set,
-        batch_size=d.eval_batch_size or 2 * d.batch_size,
-        shuffle=False,
-        drop_last=False,
-        **loader_options,
-    )
+    train_loader, eval_loader, num_classes = data.train, data.eval, data.num_classes
+    if data.stats is not None and d.normalize:
+        options.normalize = data.stats
     if m.num_classes is not None and m.num_classes != num_classes:
         raise ConfigError(
             f"model.num_classes={m.num_classes} but the dataset {d.name!r} has {num_classes} classes"

@@ -4,19 +4,42 @@ Every item is `(image, target)`: a uint8 C x H x W tensor (0-255) and an int cla
 index. Batches stay uint8 through collate and transfer; the engine converts them to
 float and normalises them on the device with `DATASET_STATS`, after every batch
 transform (`slipstream.to_unit_float` gives a plugin float pixels in [0, 1]).
+
+Data sources are plugins (entry-point group ``slipstream.datasets``, base class
+:class:`DatasetPlugin`). Names are imported on first use, so listing the installed
+plugins does not import torch.
 """
 
-from .datasets import DATASET_NAMES, DATASET_STATS, DataError, build_datasets
-from .loaders import build_loader
-from .sampler import EpochSampler
-from .synthetic import SyntheticShapes
+from __future__ import annotations
 
-__all__ = [
-    "DATASET_NAMES",
-    "DATASET_STATS",
-    "DataError",
-    "EpochSampler",
-    "SyntheticShapes",
-    "build_datasets",
-    "build_loader",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DATASET_NAMES": "datasets",
+    "DATASET_STATS": "datasets",
+    "DataError": "datasets",
+    "build_datasets": "datasets",
+    "read_rgb": "datasets",
+    "build_loader": "loaders",
+    "EpochSampler": "sampler",
+    "SyntheticShapes": "synthetic",
+    "DatasetPlugin": "sources",
+    "DataRequest": "sources",
+    "BuiltData": "sources",
+    "DATASETS_GROUP": "sources",
+    "build_dataset_plugin": "sources",
+    "decode_rgb": "decode",
+    "ResizeCrop": "decode",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'slipstream.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,352 @@
+"""WebDataset tar shards as a Slipstream data source (``data.name=webdataset``).
+
+A sample is the consecutive tar members that share a key (``000123.jpg`` and
+``000123.cls``): one image (jpg, jpeg, png, webp, ppm, bmp) and an integer class in
+``.cls``. Shards are listed with the ``webdataset`` package's brace expansion, opened
+with its ``gopen`` (local paths, ``file:``, ``pipe:CMD`` for object-store clients) and
+read with its tar iterator; the engine's StreamLoader splits them across ranks and
+workers, orders them by (seed, epoch) and resumes mid-epoch exactly.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from slipstream.data import BuiltData, DataRequest, DatasetPlugin
+from slipstream.data.datasets import DATASET_STATS, DataError
+from slipstream.data.decode import ResizeCrop, decode_rgb
+from slipstream.data.stream import StreamLoader
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "tiff")
+LABEL_EXT = "cls"
+
+
+@dataclass
+class WebDatasetConfig:
+    urls: Optional[Any] = None  # a brace pattern, glob, pipe: command, or a list of them
+    eval_urls: Optional[Any] = None  # the same, for evaluation; null: no evaluation data
+    shuffle_block: int = 256  # samples permuted together inside a shard (held raw, per worker)
+
+    def __post_init__(self) -> None:
+        if self.shuffle_block < 1:
+            raise ValueError(f"data.shuffle_block must be at least 1, got {self.shuffle_block}")
+
+
+def expand(urls: Any, key: str) -> list[str]:
+    """The shard URLs of ``data.<key>``: brace patterns expanded, local globs matched."""
+    try:
+        import webdataset as wds
+    except ImportError as err:
+        raise DataError(f"data.name=webdataset needs the webdataset package ({err}): pip install webdataset") from None
+
+    if urls is None or urls == "" or urls == []:
+        raise DataError(f"webdataset needs data.{key}: a shard pattern like shards/train-{{000000..000099}}.tar")
+    items = [urls] if isinstance(urls, str) else list(urls)
+    out: list[str] = []
+    for item in items:
+        for url in wds.shardlists.expand_urls(str(item)):
+            if _is_local(url) and any(c in url for c in "*?["):
+                matched = sorted(glob.glob(_local_path(url)))
+                if not matched:
+                    raise DataError(f"data.{key}: {url} matches no file")
+                out.extend(matched)
+            else:
+                out.append(url)
+    if not out:
+        raise DataError(f"data.{key}={urls!r} names no shard")
+    local = [u for u in out if _is_local(u)]
+    missing = [u for u in local if not os.path.isfile(_local_path(u))]
+    if missing and len(missing) == len(out):
+        raise DataError(f"data.{key}={urls!r} matches nothing: no shard exists (first: {missing[0]})")
+    if missing:
+        raise DataError(
+            f"data.{key}: {len(missing)} of {len(out)} shards do not exist (first: {missing[0]})"
+        )
+    return out
+
+
+def _is_local(url: str) -> bool:
+    return url.startswith("file:") or "://" not in url and not url.startswith("pipe:")
+
+
+def _local_path(url: str) -> str:
+    return url[len("file:") :] if url.startswith("file:") else url
+
+
+def split_name(name: str) -> tuple[str | None, str]:
+    """(key, extension) of a tar member, as webdataset splits it (the key ends at the
+    first dot of the file name)."""
+    import webdataset as wds
+
+    key, ext = wds.tariterators.base_plus_ext(name)
+    return key, (ext or "").lower()
+
+
+def _samples(members: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Group consecutive members by key; yield the complete samples (an image and a label)."""
+    key, parts = None, {}
+    for name, data in members:
+        k, ext = split_name(name)
+        if k is None:
+            continue
+        if k != key:
+            if key is not None and _complete(parts):
+                yield key, parts
+            key, parts = k, {}
+        parts[ext] = data
+    if key is not None and _complete(parts):
+        yield key, parts
+
+
+def _complete(parts: dict[str, Any]) -> bool:
+    return LABEL_EXT in parts and any(e in parts for e in IMAGE_EXTS)
+
+
+def _label(shard: str, key: str, raw: bytes) -> int:
+    try:
+        value = int(raw.decode().strip())
+    except (UnicodeDecodeError, ValueError):
+        raise DataError(f"{shard}: sample {key} has a .cls that is no integer: {raw[:20]!r}") from None
+    if value < 0:
+        raise DataError(f"{shard}: sample {key} has a negative class {value}")
+    return value
+
+
+@dataclass
+class ShardIndex:
+    """Per shard: the labels of its complete samples, in stored order."""
+
+    labels: list[int]
+
+
+def index_shard(url: str) -> ShardIndex:
+    """Read a shard's member names and labels (not its images): a seek past each image
+    for a local file, one streamed pass for a ``pipe:`` command. A shard that is no
+    readable tar is a DataError naming it."""
+    labels: list[int] = []
+    try:
+        if _is_local(url):
+            with tarfile.open(_local_path(url), "r:*") as tar:
+
+                def local_members() -> Iterator[tuple[str, Any]]:
+                    for m in tar:
+                        if m.isreg():
+                            ext = split_name(m.name)[1]
+                            yield m.name, (tar.extractfile(m).read() if ext == LABEL_EXT else b"")
+
+                for key, parts in _samples(local_members()):
+                    labels.append(_label(url, key, parts[LABEL_EXT]))
+        else:
+            for key, parts in _samples(_stream_members(url, labels_only=True)):
+                labels.append(_label(url, key, parts[LABEL_EXT]))
+    except (tarfile.TarError, EOFError, OSError, ValueError) as err:
+        if isinstance(err, DataError):
+            raise
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise DataError(f"shard {url} cannot be read as a tar file ({reason})") from None
+    return ShardIndex(labels)
+
+
+def _stream_members(url: str, labels_only: bool = False) -> Iterator[tuple[str, Any]]:
+    import webdataset as wds
+
+    def select(name: str) -> bool:
+        return not labels_only or split_name(name)[1] == LABEL_EXT
+
+    stream = wds.gopen(url)
+    try:
+        for item in wds.tariterators.tar_file_iterator(stream, select_files=None):
+            name = item["fname"]
+            yield name, (item["data"] if select(name) else b"")
+    finally:
+        try:
+            stream.close()
+        except Exception:  # a pipe stopped early exits with SIGPIPE; the samples read are what count
+            pass
+
+
+def index_shards(urls: list[str]) -> list[ShardIndex]:
+    """Every shard's index. The shards are shared out among the ranks of a distributed
+    run (each indexes 1/world of them, a few at a time, and all ranks exchange the
+    results), so the pass costs one read of the headers in total, not one per rank;
+    an error on any rank is raised on every rank, so none waits for the others."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    mine = list(range(rank, len(urls), world))
+    result: Any
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(8, len(mine)))) as pool:  # I/O bound: threads
+            result = dict(zip(mine, pool.map(index_shard, [urls[i] for i in mine]), strict=True))
+    except DataError as err:
+        result = str(err)
+    parts = [result]
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, result)
+    errors = [p for p in parts if isinstance(p, str)]
+    if errors:
+        raise DataError(errors[0])
+    merged: dict[int, ShardIndex] = {}
+    for part in parts:
+        merged.update(part)
+    return [merged[i] for i in range(len(urls))]
+
+
+class ShardSet:
+    """A list of shards as the engine's StreamLoader reads them (a ShardSource)."""
+
+    def __init__(self, urls: list[str], image_size: int) -> None:
+        self.urls = urls
+        self.indexes = index_shards(urls)
+        self.shard_sizes = [len(i.labels) for i in self.indexes]
+        self.resize = ResizeCrop(image_size)
+        if sum(self.shard_sizes) == 0:
+            raise DataError(
+                f"the {len(urls)} shards hold no sample with an image ({', '.join(IMAGE_EXTS)}) and a .{LABEL_EXT} "
+                f"label (first shard: {urls[0]})"
+            )
+
+    @property
+    def num_classes(self) -> int:
+        return 1 + max((max(i.labels) for i in self.indexes if i.labels), default=0)
+
+    def shard_name(self, shard: int) -> str:
+        return self.urls[shard]
+
+    def read(self, shard: int, start: int, stop: int) -> Iterator[Any]:
+        url = self.urls[shard]
+        index = start
+        try:
+            for position, (key, parts) in enumerate(_samples(_stream_members(url))):
+                if position < start:
+                    continue
+                if position >= stop:
+                    return
+                ext = next(e for e in IMAGE_EXTS if e in parts)
+                yield (url, key, ext, parts[ext], self.indexes[shard].labels[position])
+                index += 1
+        except (tarfile.TarError, EOFError, OSError) as err:
+            reason = " ".join(str(err).split()) or type(err).__name__
+            raise DataError(f"shard {url} failed after {index} samples ({reason})") from None
+        if index < stop:
+            raise DataError(f"shard {url} holds {index} samples now, {stop} when the run started")
+
+    def sample_name(self, raw: Any) -> str:
+        url, key, ext = raw[:3]
+        return f"{url}:{key}.{ext}"
+
+    def decode(self, raw: Any) -> tuple[Any, int]:
+        url, key, ext, data, label = raw
+        return self.resize(decode_rgb(data, f"{url}:{key}.{ext}")), label
+
+
+class WebDatasetShards(DatasetPlugin):
+    """WebDataset tar shards (data.urls, data.eval_urls): brace patterns, local paths, pipe: commands."""
+
+    name = "webdataset"
+    config_class = WebDatasetConfig
+    stats = DATASET_STATS["imagefolder"]  # ImageNet's: what a tree of photos usually has
+
+    def build(self, request: DataRequest) -> BuiltData:
+        c = self.config
+        train = ShardSet(expand(c.urls, "urls"), request.image_size)
+        evals = ShardSet(expand(c.eval_urls, "eval_urls"), request.image_size) if c.eval_urls else None
+        common = dict(
+            seed=request.seed,
+            rank=request.rank,
+            world_size=request.world_size,
+            num_workers=request.num_workers,
+            pin_memory=request.pin_memory,
+        )
+        train_loader = StreamLoader(
+            train,
+            batch_size=request.batch_size,
+            shuffle=True,
+            shuffle_block=c.shuffle_block,
+            drop_last=request.drop_last,
+            **common,
+        )
+        if request.drop_last and train_loader.batches_per_epoch == 0:
+            raise DataError(
+                f"data.urls holds {train_loader.num_samples} samples: fewer than one batch of "
+                f"{request.batch_size} per process for {request.world_size} process(es)"
+            )
+        eval_loader = (
+            StreamLoader(evals, batch_size=request.eval_batch_size, shuffle=False, drop_last=False, **common)
+            if evals is not None
+            else None
+        )
+        num_classes = max(train.num_classes, evals.num_classes if evals is not None else 0)
+        return BuiltData(train=train_loader, eval=eval_loader, num_classes=num_classes, stats=self.stats)
+
+    @classmethod
+    def convert(cls, source: str, src: str, out: str, *, shard_size: int, progress: bool = True) -> dict[str, Any]:
+        """Write WebDataset shards from an ImageFolder tree; see :func:`convert_imagefolder`."""
+        if source != "imagefolder":
+            raise DataError(f"webdataset converts from imagefolder only, not {source!r}")
+        return convert_imagefolder(src, out, shard_size=shard_size, progress=progress)
+
+
+def convert_imagefolder(src: str, out: str, *, shard_size: int, progress: bool = True, seed: int = 0) -> dict[str, Any]:
+    """Write ``OUT/<split>-000000.tar ...`` from ``SRC/<split>/<class>/*`` (train and val;
+    or SRC's class folders as one ``train`` split). The image bytes are copied, not
+    re-encoded, in an order shuffled by ``seed`` (so a shard mixes classes), with the
+    class index (ImageFolder's: sorted folder names) as ``.cls``; OUT/classes.json
+    lists the class names. Returns the ``data.urls`` / ``data.eval_urls`` to use."""
+    import webdataset as wds
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+    from tqdm import tqdm
+
+    root = Path(src)
+    if not root.is_dir():
+        raise DataError(f"convert: {src} is not a directory (an ImageFolder tree: DIR/train/<class>/*.jpg)")
+    splits = [s for s in ("train", "val") if (root / s).is_dir()] or [""]
+    plan: dict[str, tuple[list[tuple[str, int]], list[str]]] = {}
+    for split in splits:
+        folder = root / split if split else root
+        try:
+            classes, to_index = find_classes(str(folder))
+            samples = make_dataset(str(folder), to_index, extensions=IMG_EXTENSIONS)
+        except (FileNotFoundError, OSError) as err:
+            raise DataError(f"convert: {folder}: {err}") from None
+        random.Random(seed).shuffle(samples)
+        plan[split or "train"] = (samples, classes)
+    names = {tuple(c) for _, c in plan.values()}
+    if len(names) > 1:
+        raise DataError(f"convert: the class folders of {', '.join(plan)} under {src} differ")
+    out_dir = Path(out)
+    if out_dir.exists() and any(out_dir.glob("*.tar")):
+        raise DataError(f"convert: {out} already holds .tar shards; choose an empty or new folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"samples": {}, "shards": {}}
+    total = sum(len(s) for s, _ in plan.values())
+    bar = tqdm(total=total, unit="img", desc="convert", disable=not progress)
+    for split, (samples, _classes) in plan.items():
+        pattern = str(out_dir / f"{split}-%06d.tar")
+        with wds.ShardWriter(pattern, maxsize=shard_size, maxcount=10**9, verbose=0) as sink:
+            for i, (path, label) in enumerate(samples):
+                ext = Path(path).suffix.lower().lstrip(".")
+                ext = {"jpeg": "jpg", "jpe": "jpg", "tif": "tiff"}.get(ext, ext)
+                sink.write({"__key__": f"{i:09d}", ext: Path(path).read_bytes(), LABEL_EXT: str(label)})
+                bar.update(1)
+        written = sorted(out_dir.glob(f"{split}-*.tar"))
+        shards = len(written)
+        result["samples"][split] = len(samples)
+        result["shards"][split] = shards
+        last = shards - 1
+        result["urls" if split == "train" else "eval_urls"] = str(out_dir / f"{split}-{{000000..{last:06d}}}.tar")
+    bar.close()
+    (out_dir / "classes.json").write_text(json.dumps(next(iter(plan.values()))[1]) + "\n")
+    return result

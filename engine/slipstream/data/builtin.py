@@ -1,0 +1,77 @@
+"""The four built-in data sources as dataset plugins (registered by the engine's own
+distribution in the ``slipstream.datasets`` entry-point group)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .datasets import DATASET_STATS, build_datasets
+from .sources import DataRequest, DatasetPlugin
+
+
+@dataclass
+class SyntheticConfig:
+    num_classes: int = 10
+    train_size: int = 5000
+    val_size: int = 1000
+
+
+@dataclass
+class CifarConfig:
+    root: Optional[str] = None  # the directory that holds cifar-10-batches-py/ (or cifar-100-python/)
+    download: bool = False
+
+
+@dataclass
+class ImageFolderConfig:
+    root: Optional[str] = None  # <root>/train/<class>/*.jpg and <root>/val/<class>/*.jpg
+
+
+class Synthetic(DatasetPlugin):
+    """Procedurally generated shapes: learnable, deterministic, any resolution, no download."""
+
+    name = "synthetic"
+    config_class = SyntheticConfig
+    stats = DATASET_STATS["synthetic"]
+
+    def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:
+        c = self.config
+        return build_datasets(
+            "synthetic",
+            image_size=request.image_size,
+            num_classes=c.num_classes,
+            train_size=c.train_size,
+            val_size=c.val_size,
+            seed=request.seed,
+        )
+
+
+class Cifar10(DatasetPlugin):
+    """CIFAR-10 through torchvision (data.root; data.download fetches it)."""
+
+    name = "cifar10"
+    config_class = CifarConfig
+    stats = DATASET_STATS["cifar10"]
+
+    def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:
+        c = self.config
+        return build_datasets(self.name, root=c.root, image_size=request.image_size, download=c.download)
+
+
+class Cifar100(Cifar10):
+    """CIFAR-100 through torchvision (data.root; data.download fetches it)."""
+
+    name = "cifar100"
+    stats = DATASET_STATS["cifar100"]
+
+
+class ImageFolder(DatasetPlugin):
+    """An ImageFolder tree (data.root/train/<class>/, data.root/val/<class>/); unreadable images skipped and named."""
+
+    name = "imagefolder"
+    config_class = ImageFolderConfig
+    stats = DATASET_STATS["imagefolder"]
+
+    def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:
+        return build_datasets("imagefolder", root=self.config.root, image_size=request.image_size)

@@ -1,0 +1,77 @@
+"""Image bytes to uint8 tensors, shared by the shard and table data sources.
+
+The same decode and geometry as the ImageFolder source: torchvision.io (PIL as the
+fallback for what it lacks), then the shorter side to ``image_size`` and the centre
+crop, all on uint8; float conversion and normalisation happen later, on the device.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision.transforms import v2
+
+try:  # deprecated since torchvision 0.29 (TorchCodec takes over); PIL when it is gone
+    from torchvision.io import ImageReadMode, decode_image
+except ImportError:  # pragma: no cover - depends on the torchvision release
+    decode_image = None
+
+from .datasets import DataError
+
+MAX_NAMED = 10  # unreadable samples named per process; past that, one line says naming stopped
+
+
+def decode_rgb(data: bytes | bytearray | memoryview, name: str) -> torch.Tensor:
+    """Decode encoded image bytes to a uint8 ``3 x H x W`` tensor; a DataError naming
+    ``name`` if they are no image either decoder can read."""
+    if decode_image is not None and len(data):
+        try:
+            return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        except RuntimeError:
+            pass  # a format torchvision.io lacks (BMP, TIFF, ...), or a corrupt one: PIL decides
+    try:
+        with Image.open(io.BytesIO(bytes(data))) as image:
+            return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+    except (OSError, SyntaxError, ValueError) as err:
+        raise DataError(f"cannot decode {name}: {' '.join(str(err).split()) or type(err).__name__}") from None
+
+
+class ResizeCrop:
+    """The shorter side to ``size``, then the centre ``size x size`` (as ImageFolder does)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.tf = v2.Compose([v2.Resize(size), v2.CenterCrop(size)])
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        if image.shape[-2:] == (self.size, self.size):
+            return image
+        return self.tf(image)
+
+
+class SkipLog:
+    """Names unreadable samples on stderr (the first MAX_NAMED per process), as the
+    ImageFolder source does."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.skipped: list[str] = []
+
+    def warn(self, name: str, reason: str) -> None:
+        self.skipped.append(name)
+        if len(self.skipped) <= MAX_NAMED:
+            print(
+                f"slipstream: warning: skipping unreadable image {name} ({reason}); "
+                f"the next image in the {self.where} is used in its place",
+                file=sys.stderr,
+            )
+        if len(self.skipped) == MAX_NAMED:
+            print(
+                f"slipstream: warning: {MAX_NAMED} unreadable images named; "
+                "further ones are skipped without a message",
+                file=sys.stderr,
+            )

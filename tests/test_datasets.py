@@ -1,0 +1,335 @@
+"""Dataset plugins: the built-ins on the entry-point group, WebDataset shards and
+Hugging Face datasets (every sample once per epoch on 1 and 2 processes, exact
+mid-epoch resume), `slipstream data convert`, and bad input as one line."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from slipstream import Algorithm, ConfigError, Trainer, hookimpl
+from slipstream.cli import main
+from slipstream.config import build_config
+from slipstream.data import DataRequest, build_dataset_plugin
+from slipstream.data.stream import StreamLoader
+
+pytest.importorskip("webdataset")
+pytest.importorskip("datasets")
+
+CLASSES = ("ant", "bee", "cat")
+TRAIN, VAL = 24, 6  # per split, over the three classes
+SIZE = 16
+
+
+def fingerprint(image: torch.Tensor) -> str:
+    return hashlib.sha1(image.contiguous().numpy().tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    """One set of images as an ImageFolder tree, WebDataset shards (through the CLI's
+    convert) and a Hugging Face DatasetDict on disk."""
+    import datasets
+
+    root = tmp_path_factory.mktemp("data")
+    tree = root / "tree"
+    rng = np.random.default_rng(0)
+    rows: dict[str, list] = {"train": [], "validation": []}
+    for split, count in (("train", TRAIN), ("val", VAL)):
+        for i in range(count):
+            label = i % len(CLASSES)
+            folder = tree / split / CLASSES[label]
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"{i:03d}.png"
+            Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(path)
+            rows["train" if split == "train" else "validation"].append((path.read_bytes(), label))
+    assert main(["data", "convert", "imagefolder", str(tree), "--to", "webdataset", str(root / "wds"),
+                 "--shard-size", "4KB", "--no-progress"]) == 0  # fmt: skip
+    features = datasets.Features(image=datasets.Image(), label=datasets.ClassLabel(names=list(CLASSES)))
+    hf = datasets.DatasetDict(
+        {
+            split: datasets.Dataset.from_dict(
+                {"image": [{"bytes": b, "path": None} for b, _ in items], "label": [y for _, y in items]},
+                features=features,
+            )
+            for split, items in rows.items()
+        }
+    )
+    hf.save_to_disk(str(root / "hf"))
+    shards = sorted((root / "wds").glob("train-*.tar"))
+    assert len(shards) > 2  # several shards, so the split across ranks is exercised
+    wds = {
+        "name": "webdataset",
+        "urls": str(root / "wds" / f"train-{{000000..{len(shards) - 1:06d}}}.tar"),
+        "eval_urls": str(root / "wds" / "val-000000.tar"),
+        "shuffle_block": 4,
+    }
+    every = {fingerprint(torch.from_numpy(np.array(Image.open(io.BytesIO(b)))).permute(2, 0, 1))
+             for b, _ in rows["train"]}  # fmt: skip
+    return {"root": root, "tree": tree, "wds": wds, "hf": {"name": "huggingface", "path": str(root / "hf")},
+            "every": every}  # fmt: skip
+
+
+def built(options: dict, rank: int = 0, world_size: int = 1, **request):
+    request = {"image_size": SIZE, "batch_size": 4, "eval_batch_size": 4, **request}
+    return build_dataset_plugin(options).build(DataRequest(rank=rank, world_size=world_size, **request))
+
+
+def epoch_prints(loader, epoch: int, start: int = 0) -> list[str]:
+    loader.sampler.set_epoch(epoch, start)
+    return [fingerprint(image) for images, _ in loader for image in images]
+
+
+def test_builtins_and_installed_formats_are_listed(capsys) -> None:
+    assert main(["datasets", "--json"]) == 0
+    listed = {d["name"]: d for d in json.loads(capsys.readouterr().out)}
+    for name in ("synthetic", "cifar10", "cifar100", "imagefolder"):
+        assert listed[name]["distribution"] == "slipstream" and listed[name]["summary"]
+    assert listed["webdataset"]["distribution"] == "slipstream-webdataset"
+    assert listed["huggingface"]["distribution"] == "slipstream-huggingface"
+
+
+def test_builtin_names_and_keys_unchanged(data) -> None:
+    train = built({"name": "synthetic", "num_classes": 4, "train_size": 8, "val_size": 4}).train
+    assert train.dataset.num_classes == 4 and len(train.dataset) == 8
+    out = built({"name": "imagefolder", "root": str(data["tree"])})
+    assert out.num_classes == 3 and out.stats is not None
+    assert epoch_prints(out.train, 0)[0] in data["every"]  # the same decoded pixels as the shards
+
+
+@pytest.mark.parametrize("source", ["wds", "hf"])
+def test_one_process_reads_every_sample_once_in_a_seeded_order(data, source) -> None:
+    out = built(data[source], seed=3)
+    assert out.num_classes == 3
+    first, second = epoch_prints(out.train, 0), epoch_prints(out.train, 1)
+    assert sorted(first) == sorted(data["every"]) == sorted(second)
+    assert first != second  # a new order each epoch ...
+    assert first == epoch_prints(built(data[source], seed=3).train, 0)  # ... set by (seed, epoch)
+    assert first != epoch_prints(built(data[source], seed=4).train, 0)
+    images, labels = next(iter(out.eval))
+    assert images.dtype == torch.uint8 and images.shape[1:] == (3, SIZE, SIZE) and labels.dtype == torch.int64
+
+
+def test_stream_loader_splits_ranks_and_workers_and_resumes_exactly() -> None:
+    class Numbers:  # a ShardSource whose samples are their own global index
+        shard_sizes = [7, 5, 9, 3, 6]
+
+        def read(self, shard, start, stop):
+            yield from range(sum(self.shard_sizes[:shard]) + start, sum(self.shard_sizes[:shard]) + stop)
+
+        def decode(self, raw):
+            return torch.tensor([raw]), raw
+
+    def run(world, workers, epoch=1, start=0, drop_last=True):
+        out = []
+        for rank in range(world):
+            loader = StreamLoader(Numbers(), batch_size=4, rank=rank, world_size=world, num_workers=workers,
+                                  shuffle_block=4, drop_last=drop_last)  # fmt: skip
+            loader.set_epoch(epoch, start)
+            out.append([labels.tolist() for _, labels in loader])
+        return out
+
+    for world in (1, 2, 3):
+        every = [x for rank in run(world, 0, drop_last=False) for batch in rank for x in batch]
+        assert sorted(every) == list(range(30))
+        for workers in ((0, 2) if world == 2 else (0,)):
+            full = run(world, workers)
+            assert len({len(batches) for batches in full}) == 1  # equal batch counts: DDP needs them
+            for start in range(len(full[0]) + 1) if workers == 0 else (1, 2):
+                assert run(world, workers, start=start) == [batches[start:] for batches in full]
+
+
+TWO_RANKS = textwrap.dedent(
+    """
+    import hashlib, json, os, sys
+    import torch, torch.distributed as dist
+    from slipstream.data import DataRequest, build_dataset_plugin
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    seen = {}
+    for source, options in json.loads(sys.argv[2]).items():
+        request = DataRequest(image_size=16, batch_size=4, seed=3, rank=rank, world_size=world)
+        loader = build_dataset_plugin(options).build(request).train
+        seen[source] = []
+        for epoch in (0, 1):
+            loader.sampler.set_epoch(epoch)
+            seen[source].append([hashlib.sha1(i.contiguous().numpy().tobytes()).hexdigest()
+                                 for images, _ in loader for i in images])
+    json.dump(seen, open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w"))
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_two_processes_split_every_epoch_between_them(data, tmp_path) -> None:
+    from test_distributed import _torchrun
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    result = _torchrun(str(script), str(tmp_path), json.dumps({"wds": data["wds"], "hf": data["hf"]}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for source in ("wds", "hf"):
+        for epoch in (0, 1):
+            a, b = r0[source][epoch], r1[source][epoch]
+            assert len(a) == len(b) == TRAIN // 2
+            assert sorted(a + b) == sorted(data["every"]), (source, epoch)  # each sample once
+
+
+class Prints(Algorithm):
+    name = "prints"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    @hookimpl(tryfirst=True)
+    def batch_start(self, state) -> None:
+        self.seen.extend(fingerprint(image) for image in state.batch[0].cpu())
+
+
+def fit(options: dict, run_dir: Path, duration: str, **kwargs) -> tuple[Trainer, Prints]:
+    import timm
+
+    out = built(options, seed=5)
+    torch.manual_seed(0)
+    model = timm.create_model("test_resnet", num_classes=out.num_classes)
+    prints = Prints()
+    trainer = Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), train_data=out.train,
+                      eval_data=out.eval, max_duration=duration, algorithms=[prints], run_dir=run_dir, seed=5,
+                      normalize=out.stats, eval_interval=None, progress_bar=False, verbose=False, **kwargs)  # fmt: skip
+    trainer.fit()
+    return trainer, prints
+
+
+@pytest.mark.parametrize("source", ["wds", "hf"])
+def test_resume_mid_epoch_is_bit_exact(data, tmp_path, source) -> None:
+    straight, seen = fit(data[source], tmp_path / "straight", "9ba", checkpoint_interval=None)
+    fit(data[source], tmp_path / "split", "4ba", checkpoint_interval="4ba")  # stops in epoch 0 (6 batches)
+    resumed, tail = fit(data[source], tmp_path / "split", "9ba",
+                        load_path=tmp_path / "split" / "checkpoints" / "latest.pt")  # fmt: skip
+    assert tail.seen == seen.seen[4 * 4 :]  # the samples the first run had not reached, in order
+    for a, b in zip(straight.state.model.parameters(), resumed.state.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_convert_writes_shards_that_train_and_refuses_bad_input(data, tmp_path, capsys) -> None:
+    names = sorted(p.name for p in (data["root"] / "wds").iterdir())
+    assert "classes.json" in names and "val-000000.tar" in names
+    with tarfile.open(data["root"] / "wds" / "train-000000.tar") as tar:
+        members = tar.getnames()
+    assert {Path(m).suffix for m in members} == {".png", ".cls"}
+    assert json.loads((data["root"] / "wds" / "classes.json").read_text()) == list(CLASSES)
+    # Bad input: one line, exit 2, nothing written.
+    for argv, expected in (
+        (["data", "convert", "imagefolder", str(tmp_path / "none"), "--to", "webdataset", str(tmp_path / "o")],
+         "is not a directory"),
+        (["data", "convert", "imagefolder", str(data["tree"]), "--to", "webdataset", str(tmp_path / "o"),
+          "--shard-size", "12XB"], "--shard-size"),
+        (["data", "convert", "imagefolder", str(data["tree"]), "--to", "webdataset", str(data["root"] / "wds")],
+         "already holds"),
+    ):  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert expected in err and "\n" not in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def _bad(data, **options) -> str:
+    with pytest.raises(Exception) as info:
+        built({**data["wds"], **options})
+    return str(info.value)
+
+
+def test_bad_shards_are_one_line_before_training(data, tmp_path) -> None:
+    root = data["root"] / "wds"
+    assert "matches nothing" in _bad(data, urls=str(tmp_path / "x-{0..3}.tar"))
+    assert "matches no file" in _bad(data, urls=str(tmp_path / "*.tar"))
+    assert "do not exist" in _bad(data, urls=[str(root / "train-000000.tar"), str(tmp_path / "gone.tar")])
+    broken = tmp_path / "broken.tar"
+    broken.write_bytes((root / "train-000000.tar").read_bytes()[:700])  # cut inside a member
+    assert "cannot be read as a tar file" in _bad(data, urls=str(broken))
+    with pytest.raises(ConfigError, match=r"data.urls is not read by data.name=synthetic"):
+        build_config(overrides=["data.urls=a.tar"])
+    with pytest.raises(ConfigError, match=r"did you mean 'webdataset'"):
+        build_config(overrides=["data.name=webdatset"])
+    with pytest.raises(ConfigError, match=r"data.shuffle_block"):
+        build_config(overrides=["data.name=webdataset", "data.shuffle_block=0"])
+
+
+def test_pipe_urls_and_an_unreadable_image_is_skipped_and_named(data, tmp_path, capfd) -> None:
+    source = data["root"] / "wds" / "train-000000.tar"
+    corrupt = tmp_path / "corrupt.tar"
+    with tarfile.open(source) as tar, tarfile.open(corrupt, "w") as out:
+        bad = next(m.name for m in tar.getmembers() if m.name.endswith(".png"))
+        for member in tar.getmembers():
+            payload = tar.extractfile(member).read()
+            if member.name == bad:  # the first sample's image: not an image any more
+                payload = b"not an image at all"
+                member.size = len(payload)
+            out.addfile(member, io.BytesIO(payload))
+    out = built({**data["wds"], "urls": f"pipe:cat {corrupt}", "eval_urls": None})
+    prints = epoch_prints(out.train, 0)
+    assert len(prints) == out.train.batches_per_epoch * 4  # nothing dropped: the next image stands in
+    err = capfd.readouterr().err
+    assert "skipping unreadable image" in err and bad in err
+
+
+def test_huggingface_bad_input_is_one_line(data, tmp_path) -> None:
+    def bad(**options) -> str:
+        with pytest.raises(Exception) as info:
+            built({**data["hf"], **options})
+        return str(info.value)
+
+    assert "is not a column" in bad(image_column="img") and "image, label" in bad(image_column="img")
+    assert "is not a column" in bad(label_column="y")
+    assert "matches nothing" in bad(path=str(tmp_path / "nothing*"))
+    assert "its splits: train, validation" in bad(split="training")
+
+
+def test_huggingface_parquet_files(data, tmp_path) -> None:
+    import datasets
+
+    hf = datasets.load_from_disk(data["hf"]["path"])
+    for split in ("train", "validation"):
+        hf[split].to_parquet(str(tmp_path / "data" / f"{split}-00000-of-00001.parquet"))
+    out = built({"name": "huggingface", "path": str(tmp_path / "data")})
+    assert sorted(epoch_prints(out.train, 0)) == sorted(data["every"])
+    assert sum(len(images) for images, _ in out.eval) == VAL
+    only_train = built({"name": "huggingface", "path": str(tmp_path / "data" / "train-00000-of-00001.parquet")})
+    assert only_train.eval is None  # no evaluation split: no evaluation, said in docs/data.md
+
+
+def test_example_dataset_plugin_installs_and_is_found(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    from slipstream.data.sources import discover_datasets
+
+    source = shutil.copytree(Path(__file__).resolve().parents[1] / "examples" / "npz_dataset", tmp_path / "src")
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "--target", str(site), str(source)], check=True, capture_output=True)  # fmt: skip
+    monkeypatch.syspath_prepend(str(site))
+    assert discover_datasets()["npz"].distribution == "slipstream-npz-dataset"
+    rng = np.random.default_rng(0)
+    for name, n in (("train", 16), ("val", 8)):
+        np.savez(tmp_path / f"{name}.npz", images=rng.integers(0, 256, (n, 12, 12, 3), dtype=np.uint8),
+                 labels=np.arange(n) % 2)  # fmt: skip
+    options = {"name": "npz", "file": str(tmp_path / "train.npz"), "eval_file": str(tmp_path / "val.npz")}
+    out = built(options, batch_size=8)
+    assert out.num_classes == 2 and len(epoch_prints(out.train, 0)) == 16
+    with pytest.raises(ConfigError, match=r"data.files is not read by data.name=npz \(did you mean 'file'\?\)"):
+        build_dataset_plugin({**options, "files": "x"})
