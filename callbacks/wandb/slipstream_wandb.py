@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from slipstream import Callback, PluginError, RunDir, State, hookimpl, numbers
+from slipstream import Callback, PluginError, RunDir, State, check_plugin_options, hookimpl, numbers, plugin_option
 
 MODES = ("offline", "online", "disabled")
 # summary.json fields copied to the W&B summary at the end.
@@ -22,15 +22,14 @@ FINAL_METRICS = ("status", "accuracy", "best_accuracy", "eval_loss", "wall_time_
 class WandBConfig:
     # offline (default): everything stays on disk, `wandb sync` uploads it later;
     # None: $WANDB_MODE, else offline.
-    mode: Optional[str] = None
+    mode: Optional[str] = plugin_option(None, choices=MODES, note="or null")
     project: str = "slipstream"
     entity: Optional[str] = None
     run_name: Optional[str] = None  # None: the run directory's name
     dir: Optional[str] = None  # None: the run directory (files go to DIR/wandb/)
 
     def __post_init__(self) -> None:
-        if self.mode is not None and self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        check_plugin_options(self)
 
 
 def resolve_mode(configured: str | None, env: dict[str, str]) -> str:

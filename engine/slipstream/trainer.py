@@ -327,7 +327,9 @@ class Trainer:
         # Not a hook implementation: an explicit step after batch_start, so it is
         # last whatever plugins do.
         self.normalize = Normalize(*normalize) if normalize is not None else Normalize()
-        self.evaluator = Evaluator(self.pm.hook, eval_interval, self.normalize.prepare)
+        self.evaluator = Evaluator(
+            self.pm.hook, eval_interval, self.normalize.prepare, guard=self.divergence.before_evaluation
+        )
         self.pm.register(self.evaluator, name=Evaluator.name)
         # The first algorithm in the resolved order is registered last, so its
         # events fire first and its step wrappers are outermost.
@@ -415,6 +417,7 @@ class Trainer:
             self._hooks.fit_start(state=state)
             self._loop()
             state.tick()
+            self.divergence.finish(state)
             self._hooks.fit_end(state=state)
         except BaseException as error:
             state.tick()

@@ -59,10 +59,13 @@ class SummaryWriter:
         state.tick()
         train_s = max(state.session_elapsed_s - state.summary.get("eval_time_s", 0.0), 1e-9)
         utilization = self.utilization.summary(state, train_s) if self.utilization else {}
+        # A diverged run's final weights are not what any evaluation measured: no
+        # final accuracy (the best of earlier evaluations stays, with its checkpoint).
+        final = {} if status == "diverged" else state.eval_metrics
         return {
             "status": status,
-            "accuracy": state.eval_metrics.get("accuracy"),
-            "eval_loss": state.eval_metrics.get("loss"),
+            "accuracy": final.get("accuracy"),
+            "eval_loss": final.get("loss"),
             "wall_time_s": round(ts.elapsed_s, 3),
             "samples_per_s": state.session_samples / train_s,
             **utilization,
