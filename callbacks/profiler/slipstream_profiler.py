@@ -64,6 +64,7 @@ class Profiler(Callback):
     """torch.profiler over chosen steps: a Chrome/Perfetto trace and a top-ops table."""
 
     name = "profiler"
+    run_files = (FOLDER,)
     config_class = ProfilerConfig
 
     def __init__(self, config: ProfilerConfig | None = None) -> None:

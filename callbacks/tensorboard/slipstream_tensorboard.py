@@ -51,6 +51,7 @@ class TensorBoard(Callback):
     """TensorBoard scalars of every train/eval record, hyper-parameters and final metrics."""
 
     name = "tensorboard"
+    run_files = ("tensorboard",)
     config_class = TensorBoardConfig
 
     def __init__(self, config: TensorBoardConfig | None = None) -> None:

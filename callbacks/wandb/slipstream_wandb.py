@@ -48,6 +48,7 @@ class WandB(Callback):
     """Weights & Biases run (offline by default): config, metrics per record, final summary."""
 
     name = "wandb"
+    run_files = ("wandb",)
     config_class = WandBConfig
 
     def __init__(self, config: WandBConfig | None = None) -> None:

@@ -14,9 +14,14 @@ class Plugin:
 
     ``kind`` says which it is (``"algorithm"`` or ``"callback"``): the config
     section (``algorithms.<name>``, ``callbacks.<name>``) and messages use it.
+
+    ``run_files`` names what the plugin writes directly under the run directory
+    (files or folders, e.g. ``("tensorboard",)``): they are the run's files, so
+    ``trainer.overwrite=true`` removes them with the engine's own.
     """
 
     kind: ClassVar[str] = "plugin"
+    run_files: ClassVar[tuple[str, ...]] = ()
     name: ClassVar[str] = ""
     config_class: ClassVar[type | None] = None
 

@@ -257,6 +257,17 @@ class Trainer:
                 )
         return built
 
+    def _plugin_files(self) -> set[str]:
+        """What plugins write under the run directory: this run's, and with
+        ``overwrite`` every installed callback's (a logger of the previous run whose
+        folder would otherwise mix two runs)."""
+        names = {n for p in [*self.algorithms, *self.callbacks] for n in p.run_files}
+        if self.overwrite:
+            for info in self._installed_of(CALLBACKS_GROUP).values():
+                info.load()
+                names.update(getattr(info.cls, "run_files", ()))
+        return names
+
     def _known_names(self, algorithms: list[Algorithm]) -> set[str]:
         """Names an order declaration may use: the run's and the installed ones
         (discovered only when a declaration names an algorithm outside the run)."""
@@ -412,6 +423,7 @@ class Trainer:
                     load_path=self.load_path,
                     config=self.config,
                     verbose=self.verbose,
+                    plugin_files=self._plugin_files(),
                 )
             state.start_clock()
             self._hooks.fit_start(state=state)
