@@ -46,7 +46,7 @@ from .plugins import (
     instantiate,
     resolve_order,
 )
-from .rundir import choose_run_dir, prepare_run_dir
+from .rundir import RunDir, choose_run_dir, prepare_run_dir
 from .services import (
     Checkpointer,
     DefaultSteps,
@@ -61,6 +61,7 @@ from .services import (
 from .services.batches import batch_mover
 from .services.divergence import DivergenceMonitor
 from .services.losses import TrainLosses
+from .services.summary import resume_summary
 from .services.target import check_target
 from .state import State, unwrap_model
 
@@ -414,6 +415,10 @@ class Trainer:
             self._check_hooks()  # init may have registered helpers
             if self.load_path is not None:
                 restore_checkpoint(state, self.load_path, verbose=self.verbose, hook=self.pm.hook)
+                # The records before the checkpoint are in the log of the run that wrote it.
+                written_in = self.load_path.parent.parent if self.load_path.parent.name == "checkpoints" else None
+                if written_in is not None:
+                    resume_summary(state, RunDir(written_in).metrics, self.target)
             self._wrap_distributed()
             self._bind_hooks()
             if state.rank == 0:
