@@ -117,6 +117,12 @@ class Cutmix(Algorithm):
         self.num_classes = 0
 
     @hookimpl
+    def init(self, state: State) -> None:
+        # Checked here, before the run directory is written; fit_start takes the
+        # value once every plugin's init has shaped the model.
+        resolve_num_classes(self.name, state, self.config.num_classes)
+
+    @hookimpl
     def fit_start(self, state: State) -> None:
         self.num_classes = resolve_num_classes(self.name, state, self.config.num_classes)
 

@@ -117,7 +117,13 @@ def check_soft_target_loss(name: str, state: State, num_classes: int) -> None:
 
 
 def resolve_num_classes(name: str, state: State, configured: int | None) -> int:
-    num_classes = configured or infer_num_classes(state)
+    inferred = infer_num_classes(state)
+    if configured and inferred and configured != inferred:
+        raise ConfigError(
+            f"algorithms.{name}.num_classes={configured} but the model has {inferred} classes "
+            f"(its output); set it to {inferred} or leave it null for the model's"
+        )
+    num_classes = configured or inferred
     if num_classes is None:
         raise ConfigError(
             f"algorithms.{name}: cannot tell the number of classes from the model; "
@@ -140,6 +146,12 @@ class Mixup(Algorithm):
     def __init__(self, config: MixupConfig | None = None) -> None:
         super().__init__(config)
         self.num_classes = 0
+
+    @hookimpl
+    def init(self, state: State) -> None:
+        # Checked here, before the run directory is written; fit_start takes the
+        # value once every plugin's init has shaped the model.
+        resolve_num_classes(self.name, state, self.config.num_classes)
 
     @hookimpl
     def fit_start(self, state: State) -> None:

@@ -34,9 +34,11 @@ from optuna.distributions import (
 )
 from optuna.trial import TrialState
 
-from .config import build_config, to_dict
+from .config import build_config, known_num_classes, to_dict
 from .errors import ConfigError, did_you_mean
 from .hookspecs import hookimpl
+from .optim import OPTIMIZERS
+from .plugins import CALLBACKS_GROUP, discover, instantiate
 from .rundir import atomic_write_text
 from .runner import build_trainer
 from .state import State
@@ -200,15 +202,30 @@ def run_sweep(
         raise ConfigError(f"--direction {direction!r}: use maximize or minimize")
     if trials < 1:
         raise ConfigError(f"--trials must be at least 1, got {trials}")
+    if pruner_startup_trials < 0:
+        raise ConfigError(
+            f"--pruner-startup-trials must be 0 or more (finished trials before pruning), got {pruner_startup_trials}"
+        )
     space = parse_search_space(arguments)
     if not space.distributions:
         raise ConfigError(f"sweep: nothing to search; give at least one argument of the form {FORMS}")
     # The whole space is checked against the config before anything is written:
     # each form's lower end, as a trial would set it.
     lows = {k: _low(d) for k, d in space.distributions.items()}
-    base = build_config(recipe, None, space.overrides(lows))
+    base = _check_trial_config(recipe, space.overrides(lows))
+    # Every other value of a choice too: a trial must not be the first to find one bad.
+    for key, dist in space.distributions.items():
+        if isinstance(dist, CategoricalDistribution):
+            for value in dist.choices[1:]:
+                _check_trial_config(recipe, space.overrides({**lows, key: value}))
     if base.trainer.eval_interval is None:
         raise ConfigError("sweep: trials need evaluations to compare; set trainer.eval_interval (e.g. 1ep)")
+    classes = known_num_classes(base)
+    if metric == "accuracy_top5" and classes is not None and classes < 5:
+        raise ConfigError(
+            f"--metric accuracy_top5 needs at least 5 classes; these runs have {classes}: "
+            "use accuracy or loss"
+        )
 
     root = Path(sweep_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -265,6 +282,20 @@ def run_sweep(
         if best is not None:
             print(f"best recipe: {best}  (slipstream train --recipe {best})")
     return SweepResult(study, rows, best)
+
+
+def _check_trial_config(recipe: str | Path, overrides: list[str]) -> Any:
+    """The config of a trial with ``overrides``, checked as far as it can be without
+    building data and model: the config itself, the plugins' options, the optimizer."""
+    cfg = build_config(recipe, None, overrides)
+    installed = discover(load=False)
+    instantiate(dict(to_dict(cfg.algorithms)), installed)
+    instantiate(dict(to_dict(cfg.callbacks)), discover(load=False, group=CALLBACKS_GROUP), CALLBACKS_GROUP)
+    if cfg.optimizer.name not in OPTIMIZERS:
+        raise ConfigError(
+            f"optimizer.name {cfg.optimizer.name!r} is not supported; choose one of {', '.join(OPTIMIZERS)}"
+        )
+    return cfg
 
 
 def _count(n: int, noun: str) -> str:
