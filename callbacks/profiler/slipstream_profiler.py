@@ -3,6 +3,7 @@ trace and a table of the top ops under ``RUN_DIR/profiler/``."""
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -83,6 +84,11 @@ class Profiler(Callback):
         activities = [ProfilerActivity.CPU]
         if state.device.type == "cuda" and torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
+        else:
+            # Kineto looks for GPUs even when asked for CPU activity only, and logs an
+            # ERROR line ("gpuGetDeviceCount failed") on a machine without one; 5 keeps
+            # its messages below the level that prints. Read at its first use.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self.sort_by = cfg.sort_by or (
             "self_cuda_time_total" if ProfilerActivity.CUDA in activities else "self_cpu_time_total"
         )
