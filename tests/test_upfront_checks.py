@@ -68,3 +68,18 @@ def test_a_sweep_checks_every_value_and_argument_before_its_directory(tmp_path, 
 def test_a_setting_that_would_do_nothing_is_a_warning(overrides, callbacks, warning):
     with pytest.warns(ConfigWarning, match=warning.replace("(", r"\(").replace(")", r"\)")):
         build_config("default", None, overrides, callbacks=callbacks)
+
+
+def test_a_master_port_in_use_is_one_line_before_anything_starts(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run_dir = tmp_path / "run"
+        code = main(
+            ["train", "--nproc-per-node", "2", "--master-port", str(port), *TINY, f"trainer.run_dir={run_dir}"]
+        )
+    _one_line_exit_2(code, capsys, f"--master-port {port} is already in use")
+    assert not run_dir.exists()
