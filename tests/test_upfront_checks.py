@@ -83,3 +83,13 @@ def test_a_master_port_in_use_is_one_line_before_anything_starts(tmp_path, capsy
         )
     _one_line_exit_2(code, capsys, f"--master-port {port} is already in use")
     assert not run_dir.exists()
+
+
+def test_an_online_logger_without_credentials_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    run_dir = tmp_path / "run"
+    online = ["callbacks.wandb.mode=online", f"trainer.run_dir={run_dir}"]
+    code = main(["train", "-q", "--callbacks", "wandb", *TINY, *online])
+    _one_line_exit_2(code, capsys, "mode online needs a W&B API key")
+    assert not run_dir.exists()
