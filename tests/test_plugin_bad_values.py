@@ -28,7 +28,6 @@ TINY = [
     "data.batch_size=16",
     "trainer.threads=1",
     "trainer.max_duration=1ba",
-    "trainer.eval_interval=null",
     "trainer.checkpoint_interval=null",
 ]
 
