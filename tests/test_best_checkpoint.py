@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
 import torch
 
-from helpers import train
+from helpers import Probe, train
 from slipstream import Algorithm, ConfigError, hookimpl, load_checkpoint
 
 
@@ -87,3 +88,22 @@ def test_a_resumed_run_keeps_the_best_of_the_whole_run(tmp_path):
     )
     after = load_checkpoint(first.paths.best)
     assert after["best"] == best_before["best"] == {"metric": "accuracy", "value": 0.9, "step": 4, "epoch": 1}
+
+
+def test_a_resumed_runs_summary_describes_the_whole_run(tmp_path):
+    # Accuracy 0.9 at step 2 only: the best, and past the target, before the checkpoint.
+    def script(state):
+        state.eval_metrics["accuracy"] = 0.9 if state.timestamp.batch == 2 else 0.1
+
+    options = dict(eval_interval="2ba", checkpoint_interval="2ba", target_accuracy=0.8)
+    first = train(tmp_path, [Probe(eval_end=script)], max_duration="10ba", **options)
+    assert first.summary["best_accuracy"] == 0.9
+    reached = first.summary["time_to_target_s"]
+    latest = tmp_path / "run" / "checkpoints" / "latest.pt"
+    resumed = train(tmp_path, [Probe(eval_end=script)], max_duration="14ba", load_path=latest, **options)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["batches"] == 14
+    assert summary["best_accuracy"] == 0.9 and summary["accuracy"] == 0.1
+    assert summary["best_checkpoint"]["step"] == 2
+    assert summary["time_to_target_s"] == reached is not None
+    assert resumed.summary["best_checkpoint"] == first.summary["best_checkpoint"]

@@ -88,14 +88,13 @@ def test_warn_trains_on_but_writes_no_checkpoint_of_nan_weights(tmp_path):
     messages = [str(w.message) for w in caught]
     assert any("loss is nan at step 5" in m for m in messages), messages
     assert any("not writing the checkpoint of step 8" in m for m in messages), messages
-    assert trainer.summary["status"] == "completed" and trainer.state.timestamp.batch == 12
+    # Trained on to the end, but NaN weights never end "completed" (nor are evaluated).
+    assert trainer.summary["status"] == "diverged" and trainer.state.timestamp.batch == 12
     assert trainer.summary["nonfinite_loss"]["steps"] == 8  # steps 5 to 12
     latest = load_checkpoint(trainer.run_dir / "checkpoints" / "latest.pt")
     assert latest["timestamp"]["batch"] == 4 and finite(latest)
-    # The final evaluation of NaN weights has a NaN loss: null in strict JSON, and named.
     summary = strict_loads((trainer.run_dir / "summary.json").read_text())
-    assert summary["eval_loss"] is None and "eval_loss" in summary["nonfinite"]
-    assert math.isnan(trainer.summary["eval_loss"])  # the Python value is left as it was
+    assert summary["eval_loss"] is None and summary["accuracy"] is None
 
 
 def test_finite_run_is_untouched(tmp_path):
@@ -148,3 +147,47 @@ def test_the_check_flags_exactly_the_non_finite_values(values, diverged):
     monitor._report = lambda state, values, bad, steps: reported.append(bad)
     monitor.inspect(state, values, [1, 2])
     assert reported == ([[i for i, v in enumerate(values) if not math.isfinite(v)]] if diverged else [])
+
+
+def test_a_diverged_run_evaluates_nothing_after_it_and_reports_no_accuracy(tmp_path):
+    # The losses are read only at the epoch's evaluation (step 4), two steps after
+    # the first NaN: the evaluation is not run on the NaN weights, the run stops there.
+    trainer = train(
+        tmp_path, [poison_from(2)], max_duration="3ep", log_interval=100,
+        checkpoint_interval=None, eval_interval="1ep",
+    )
+    summary = strict_loads((trainer.run_dir / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["batches"] == 4
+    assert summary["accuracy"] is None and summary["eval_loss"] is None and summary.get("best_accuracy") is None
+    assert "at step 2" in summary["stop_reason"] and "stopped at step 4" in summary["stop_reason"]
+    assert [r for r in records(trainer.run_dir) if r["kind"] == "eval"] == []
+
+
+def test_final_weights_that_are_not_finite_never_end_completed(tmp_path):
+    # warn trains on; the evaluations of NaN weights are skipped, and the end says diverged.
+    with pytest.warns(RuntimeWarning, match="weights are not finite at step 8"):
+        trainer = train(
+            tmp_path, [poison_from(5)], max_duration="3ep", log_interval=2,
+            checkpoint_interval=None, on_nonfinite="warn",
+        )
+    summary = strict_loads((trainer.run_dir / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["batches"] == 12
+    assert summary["accuracy"] is None and summary["nonfinite_weights"] == {"first_step": 8}
+    assert [r["step"] for r in records(trainer.run_dir) if r["kind"] == "eval"] == [4]
+
+
+def test_compare_and_plot_show_a_diverged_run_by_its_status(tmp_path):
+    from slipstream.results import build_figure, compare_runs, compare_runs_json, load_run
+
+    good = train(tmp_path / "good", [], max_duration="1ep", checkpoint_interval=None)
+    bad = train(tmp_path / "bad", [poison_from(2)], max_duration="2ep", log_interval=100, checkpoint_interval=None)
+    runs = [load_run(good.run_dir), load_run(bad.run_dir)]
+    base, row = compare_runs_json(runs, target=0.01)
+    assert base["final_accuracy_pct"] is not None and base["speedup"] == 1.0
+    assert row["status"] == "diverged"
+    assert row["final_accuracy_pct"] is None and row["best_accuracy_pct"] is None
+    assert row["speedup"] is None and row["time_to_target_s"] is None
+    assert compare_runs(runs).splitlines()[-1].rstrip().endswith("diverged")
+    figure = build_figure(runs)
+    assert "run (diverged)" in [t.get_text() for t in figure.legends[0].get_texts()]
+    assert any("run: diverged" in t.get_text() for ax in figure.axes for t in ax.texts)

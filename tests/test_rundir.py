@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import Probe, train
-from slipstream import CheckpointError, ConfigError
+from slipstream import Callback, CheckpointError, ConfigError, hookimpl
 from slipstream.results import compare_runs_json, load_run
 from slipstream.rundir import RunDir, atomic_write, atomic_write_text
 
@@ -161,3 +161,32 @@ def test_atomic_write_is_durable_and_leaves_the_old_file_on_failure(tmp_path, mo
     atomic_write_text(target, "new")
     assert target.read_text() == "new" and os.listdir(tmp_path) == ["summary.json"]
     assert synced == [False, True]  # the file's data, then the directory's rename
+
+
+class _Logger(Callback):
+    """Writes one file per run into its own folder, as a logger does."""
+
+    name = "folder_logger"
+    run_files = ("mylog",)
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+
+    @hookimpl
+    def fit_start(self, state) -> None:
+        folder = Path(state.run_dir) / "mylog"
+        folder.mkdir(exist_ok=True)
+        (folder / self.tag).write_text(self.tag)
+
+
+def test_overwrite_removes_the_previous_runs_plugin_folders_too(tmp_path):
+    train(tmp_path, [], max_duration="1ba", callbacks=[_Logger("first")])
+    run = tmp_path / "run"
+    (run / "tensorboard").mkdir()  # an installed logger's folder from the run before
+    (run / "tensorboard" / "events.out").write_text("old steps")
+    (run / "notes.txt").write_text("the user's own")
+    train(tmp_path, [], max_duration="1ba", callbacks=[_Logger("second")], overwrite=True)
+    assert sorted(p.name for p in (run / "mylog").iterdir()) == ["second"]
+    assert not (run / "tensorboard").exists()
+    assert (run / "notes.txt").read_text() == "the user's own"

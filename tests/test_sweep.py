@@ -16,7 +16,7 @@ import pytest
 from slipstream import ConfigError
 from slipstream.cli import main
 from slipstream.config import build_config
-from slipstream.sweep import parse_search_space, run_sweep
+from slipstream.sweep import parse_search_space, run_sweep, trial_rows
 
 TINY = """\
 # A tiny recipe: 2 epochs of 4 batches, evaluated after each.
@@ -77,6 +77,9 @@ def test_a_rerun_continues_the_study_with_the_remaining_trials(tmp_path, recipe)
     assert states == ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE"]
     assert sorted(p.name for p in root.glob("trial-*")) == ["trial-000", "trial-001", "trial-003"]
     assert (root / "trial-000" / "summary.json").read_text() == first  # earlier trials untouched
+    # The continued study samples a new point, not the first run's again.
+    lrs = [t.params["optimizer.lr"] for t in result.study.trials if t.params]
+    assert lrs[-1] not in lrs[:2], lrs
     assert len(list(csv.DictReader((root / "trials.csv").open()))) == 4
     # Nothing left to do: a third run trains nothing.
     assert len(sweep(recipe, 3, LR).study.trials) == 4
@@ -150,3 +153,31 @@ def test_the_cli_runs_a_sweep_with_options_and_forms_in_any_order(tmp_path, reci
     assert out.splitlines()[0].split() == ["trial", "state", "loss", "optimizer.lr", "run_dir"]
     assert f"slipstream train --recipe {root / 'best.yaml'}" in out
     assert json.loads((root / "trial-000" / "summary.json").read_text())["epochs"] == 1  # the fixed override
+
+
+def test_a_failed_trial_is_replaced_not_counted(tmp_path, recipe):
+    # The first trial diverges; --trials 1 still means one finished trial.
+    space = ("optimizer.lr=choice(1.0e+30,0.003)", "trainer.max_duration=1ep")
+    enqueue = [{"optimizer.lr": 1e30}, {"optimizer.lr": 0.003}]
+    result = sweep(recipe, 1, *space, enqueue=enqueue)
+    assert [t.state.name for t in result.study.trials] == ["FAIL", "COMPLETE"]
+    assert [row["state"] for row in result.rows] == ["fail", "complete"]
+    assert result.best_recipe is not None
+
+
+def test_a_failed_trial_shows_no_metric_to_rank(tmp_path):
+    study = optuna.create_study(direction="minimize")
+    trial = study.ask()
+    trial.report(1e-9, step=4)  # a value better than any, reported before it failed
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    (row,) = trial_rows(study, "loss", tmp_path)
+    assert row["state"] == "fail" and row["loss"] is None
+
+
+def test_a_trial_that_would_be_pruned_at_its_last_evaluation_has_finished(tmp_path, recipe):
+    # One evaluation per trial, the final one: a bad trial is worse than the median
+    # there, but it has finished; it completes (and could be the best).
+    enqueue = [{"optimizer.lr": 3e-3}, {"optimizer.lr": 3e-3}, {"optimizer.lr": 1.0}]
+    result = sweep(recipe, 3, LR, "trainer.max_duration=1ep", metric="loss", enqueue=enqueue)
+    assert [t.state.name for t in result.study.trials] == ["COMPLETE", "COMPLETE", "COMPLETE"]
+    assert result.study.trials[2].value is not None

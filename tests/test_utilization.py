@@ -350,3 +350,21 @@ def test_peak_memory_is_each_runs_own(tmp_path: Path) -> None:
     assert big.summary["peak_memory_mb"] >= 120
     # Measured from its own start: the earlier run's peak in this process does not count.
     assert small.summary["peak_memory_mb"] < 60
+
+
+def test_probing_is_announced_only_when_the_device_is_probed(tmp_path):
+    from slipstream.peak_flops import machine_key, peak_flops, probe_dtypes
+
+    device, path = torch.device("cpu"), tmp_path / "peak.json"
+
+    class Probing(Exception):
+        pass
+
+    def announce():
+        raise Probing  # stands for the message, and spares the test the probe itself
+
+    with pytest.raises(Probing):
+        peak_flops(device, threads=1, path=path, on_probe=announce)
+    flops = {name: 1e12 for name in probe_dtypes(device)}
+    path.write_text(json.dumps({machine_key(device, 1): {"flops": flops}}))
+    assert peak_flops(device, threads=1, path=path, on_probe=announce).source == "cache"

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from slipstream import Algorithm, ConfigError, State, hookimpl
+from slipstream import Algorithm, ConfigError, State, check_plugin_options, hookimpl, plugin_option
 
 MODES = ("auto", "timm", "modules")
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -217,12 +217,11 @@ def apply_activation_checkpointing(
 
 @dataclass
 class ActivationCheckpointingConfig:
-    mode: str = "auto"  # auto: timm's own when the model has it, else modules
+    mode: str = plugin_option("auto", choices=MODES)  # auto: timm's own when the model has it, else modules
     modules: Optional[list[str]] = None  # dotted paths or class names; None: the repeated blocks
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        check_plugin_options(self)
         if self.modules is not None:
             if not self.modules or not all(isinstance(m, str) and m.strip() for m in self.modules):
                 raise ValueError(

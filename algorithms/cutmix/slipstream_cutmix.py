@@ -22,27 +22,29 @@ from typing import Optional
 
 import numpy as np
 import torch
-from slipstream_mixup import check_mixing_config, draw_lambda, mix_targets, resolve_num_classes
+from slipstream_mixup import draw_lambda, mix_targets, resolve_num_classes
 
-from slipstream import Algorithm, State, batch_seed, hookimpl
+from slipstream import Algorithm, State, batch_seed, check_plugin_options, hookimpl, plugin_option
 
 Box = tuple[int, int, int, int]  # top, bottom, left, right (bottom/right exclusive)
 
 
 @dataclass
 class CutmixConfig:
-    alpha: float = 1.0  # Beta(alpha, alpha) for the kept area; 1.0 = uniform
-    prob: float = 1.0  # fraction of training batches that are mixed
+    # Beta(alpha, alpha) for the kept area; 1.0 = uniform
+    alpha: float = plugin_option(1.0, low=0, low_open=True, note="the Beta distribution's parameter")
+    prob: float = plugin_option(1.0, low=0, high=1, note="the fraction of batches mixed")
     # [min, max]: box height and width drawn uniformly as fractions of the image
     # (alpha is then unused); null: the box's area follows alpha.
-    minmax: Optional[list[float]] = None
-    num_classes: Optional[int] = None  # None: the run's (model.num_classes, or the model's head)
+    minmax: Optional[list[float]] = plugin_option(None, low=0, high=1, low_open=True, items=True)
+    # None: the run's (model.num_classes, or the model's head)
+    num_classes: Optional[int] = plugin_option(None, low=2, whole=True, note="or null: the run's")
 
     def __post_init__(self) -> None:
-        check_mixing_config(self.alpha, self.prob, self.num_classes)
+        check_plugin_options(self)
         if self.minmax is not None:
             bounds = list(self.minmax)
-            if len(bounds) != 2 or not 0 < bounds[0] <= bounds[1] <= 1:
+            if len(bounds) != 2 or not bounds[0] <= bounds[1]:
                 raise ValueError(
                     f"minmax must be null or [min, max] with 0 < min <= max <= 1 "
                     f"(box sides as fractions of the image), got {bounds}"
@@ -113,6 +115,12 @@ class Cutmix(Algorithm):
     def __init__(self, config: CutmixConfig | None = None) -> None:
         super().__init__(config)
         self.num_classes = 0
+
+    @hookimpl
+    def init(self, state: State) -> None:
+        # Checked here, before the run directory is written; fit_start takes the
+        # value once every plugin's init has shaped the model.
+        resolve_num_classes(self.name, state, self.config.num_classes)
 
     @hookimpl
     def fit_start(self, state: State) -> None:

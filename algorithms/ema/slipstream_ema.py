@@ -29,7 +29,16 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.swa_utils import AveragedModel
 
-from slipstream import Algorithm, ConfigError, Duration, State, hookimpl, parse_duration_option
+from slipstream import (
+    Algorithm,
+    ConfigError,
+    Duration,
+    State,
+    check_plugin_options,
+    hookimpl,
+    parse_duration_option,
+    plugin_option,
+)
 
 DEFAULT_DECAY = 0.999
 
@@ -63,27 +72,26 @@ def half_life_decay(half_life: float, elapsed: float = 1.0) -> float:
 
 @dataclass
 class EMAConfig:
-    decay: Optional[float] = None  # per optimizer step, in (0, 1); 0.999 when neither is set
+    # per optimizer step; 0.999 when neither decay nor half_life is set
+    decay: Optional[float] = plugin_option(None, low=0, high=1, low_open=True, high_open=True, note="e.g. 0.999")
     half_life: Optional[str] = None  # a duration: "50ba", "0.1ep", "0.01dur", "5000sp"
-    update_every: int = 1  # optimizer steps between updates (the decay covers them all)
+    # optimizer steps between updates (the decay covers them all)
+    update_every: int = plugin_option(1, low=1, whole=True)
     start: Optional[str] = None  # before this time the EMA is a plain copy of the weights
     eval_with_ema: bool = True  # evaluate with the averaged weights
     average_buffers: bool = True  # average BatchNorm statistics too (False: copy them)
 
     def __post_init__(self) -> None:
+        check_plugin_options(self)
         if self.decay is not None and self.half_life is not None:
             raise ValueError(
                 f"set only one of decay and half_life, got decay={self.decay} and "
                 f"half_life={self.half_life!r}"
             )
-        if self.decay is not None and not 0.0 < self.decay < 1.0:
-            raise ValueError(f"decay must be in (0, 1) exclusive, e.g. 0.999, got {self.decay}")
         if self.half_life is not None:  # e.g. '50ba', '0.1ep', '0.01dur'
             parse_duration_option(EMA.name, "half_life", self.half_life, positive=True, units=("ba", "ep", "sp", "dur"))
         if self.start is not None:
             parse_duration_option(EMA.name, "start", self.start)
-        if self.update_every < 1:
-            raise ValueError(f"update_every must be an integer >= 1, got {self.update_every}")
 
 
 def _local(tensor: Tensor) -> Tensor:

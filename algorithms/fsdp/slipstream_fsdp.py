@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from slipstream import Algorithm, ConfigError, State, hookimpl
+from slipstream import Algorithm, ConfigError, State, check_plugin_options, hookimpl, plugin_option
 from slipstream.flops import meta_copy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,14 +52,17 @@ class FSDPConfig:
     # own): "auto" (timm ViT blocks, ResNet stages), or a list of module class names or
     # dotted paths. min_params, when set, replaces it with a size policy.
     modules: Any = "auto"
-    min_params: Optional[int] = None  # shard every module holding this many parameters
+    # shard every module holding this many parameters
+    min_params: Optional[int] = plugin_option(None, low=1, whole=True, note="or null")
     reshard_after_forward: bool = True  # True: ZeRO-3; False: ZeRO-2
-    param_dtype: Optional[str] = None  # fp32 | bf16 | fp16: parameters as gathered for compute
-    reduce_dtype: Optional[str] = None  # fp32 | bf16 | fp16: gradients as reduced
+    # parameters as gathered for compute
+    param_dtype: Optional[str] = plugin_option(None, choices=DTYPES, note="or null")
+    reduce_dtype: Optional[str] = plugin_option(None, choices=DTYPES, note="or null")  # gradients as reduced
     cpu_offload: bool = False  # keep shards and optimizer state in host memory (CUDA)
     sharded_checkpoint: bool = False  # torch.distributed.checkpoint shards, not a full latest.pt
 
     def __post_init__(self) -> None:
+        check_plugin_options(self)
         modules = self.modules
         if modules != "auto" and not (
             isinstance(modules, (list, tuple))
@@ -70,14 +73,6 @@ class FSDPConfig:
                 "modules must be 'auto' or a non-empty list of module class names or dotted "
                 f"paths (e.g. ['Block'] or ['blocks']), got {modules!r}"
             )
-        if self.min_params is not None and (
-            isinstance(self.min_params, bool) or not isinstance(self.min_params, int) or self.min_params < 1
-        ):
-            raise ValueError(f"min_params must be a whole number >= 1 or null, got {self.min_params!r}")
-        for key in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, key)
-            if value is not None and value not in DTYPES:
-                raise ValueError(f"{key} must be one of {', '.join(DTYPES)} or null, got {value!r}")
 
 
 # -- choosing the units ----------------------------------------------------------------------

@@ -30,7 +30,7 @@ import kornia.augmentation.auto as KA
 import torch
 from torch import nn
 
-from slipstream import Algorithm, State, batch_seed, hookimpl, to_unit_float
+from slipstream import Algorithm, State, batch_seed, check_plugin_options, hookimpl, plugin_option, to_unit_float
 
 PRESETS = ("light", "trivial", "randaugment", "custom")
 
@@ -70,38 +70,28 @@ AUGMENTATIONS = _augmentation_classes()
 
 @dataclass
 class GpuAugmentationConfig:
-    preset: str = "light"  # light | trivial | randaugment | custom
+    preset: str = plugin_option("light", choices=PRESETS)
     # RandomResizedCrop area range (fraction of the image) for light/trivial/randaugment.
-    crop_scale: list[float] = field(default_factory=lambda: [0.35, 1.0])
-    flip_p: float = 0.5  # RandomHorizontalFlip probability for light/trivial/randaugment
-    randaugment_n: int = 2  # operations per batch
-    randaugment_m: int = 10  # magnitude, 1..29 (kornia's scale)
+    crop_scale: list[float] = plugin_option(
+        default_factory=lambda: [0.35, 1.0], low=0, high=1, low_open=True, items=True
+    )
+    # RandomHorizontalFlip probability for light/trivial/randaugment
+    flip_p: float = plugin_option(0.5, low=0, high=1)
+    randaugment_n: int = plugin_option(2, low=1, whole=True, note="operations per batch")
+    randaugment_m: int = plugin_option(10, low=1, high=29, whole=True, note="kornia's magnitude scale")
     # preset=custom: [{name: RandomHorizontalFlip, p: 0.5}, {name: ColorJitter, brightness: 0.2}]
     custom: list[dict[str, Any]] = field(default_factory=list)
     # Intra-op threads while augmenting a batch that is on the CPU (0 = torch's setting).
     # 0 by default: changing torch's thread count and back can make the training step
     # that follows pay far more than kornia's small ops gain from one thread (a median
     # 15 % slower step in one measurement, none in two others: see the card).
-    cpu_threads: int = 0
+    cpu_threads: int = plugin_option(0, low=0, whole=True, note="0 = torch's setting")
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        check_plugin_options(self)
         scale = list(self.crop_scale)
-        if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
+        if len(scale) != 2 or not scale[0] <= scale[1]:
             raise ValueError(f"crop_scale must be [min, max] with 0 < min <= max <= 1, got {scale}")
-        if not 0 <= self.flip_p <= 1:
-            raise ValueError(f"flip_p must be in [0, 1], got {self.flip_p}")
-        if not 1 <= self.randaugment_m <= 29:
-            raise ValueError(
-                f"randaugment_m must be in 1..29 (kornia's scale), got {self.randaugment_m}"
-            )
-        if self.cpu_threads < 0:
-            raise ValueError(
-                f"cpu_threads must be >= 0 (0 = torch's setting), got {self.cpu_threads}"
-            )
-        if self.randaugment_n < 1:
-            raise ValueError(f"randaugment_n must be at least 1, got {self.randaugment_n}")
         if self.preset == "custom" and not self.custom:
             raise ValueError(
                 "preset is 'custom' but custom is empty; list augmentations, e.g. "

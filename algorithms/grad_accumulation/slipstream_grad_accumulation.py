@@ -18,16 +18,15 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from slipstream import Algorithm, State, hookimpl, unwrap_model
+from slipstream import Algorithm, State, check_plugin_options, hookimpl, plugin_option, unwrap_model
 
 
 @dataclass
 class GradAccumulationConfig:
-    steps: int = 4  # batches per optimizer step
+    steps: int = plugin_option(4, low=1, whole=True, note="batches per optimizer step")
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"steps must be an integer >= 1 (batches per optimizer step), got {self.steps}")
+        check_plugin_options(self)
 
 
 class AccumulationPlan(NamedTuple):

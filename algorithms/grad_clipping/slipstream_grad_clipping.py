@@ -9,36 +9,31 @@ tensor, read only at the logging interval.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from slipstream import Algorithm, State, hookimpl
+from slipstream import Algorithm, State, check_plugin_options, hookimpl, plugin_option
 
 
 @dataclass
 class GradClippingConfig:
-    max_norm: Optional[float] = None  # clip the total gradient norm to this
-    clip_value: Optional[float] = None  # or clamp every gradient element to [-v, v]
-    norm_type: float = 2.0  # the p of the p-norm (inf for the max-norm)
+    # clip the total gradient norm to this
+    max_norm: Optional[float] = plugin_option(None, low=0, low_open=True)
+    # or clamp every gradient element to [-v, v]
+    clip_value: Optional[float] = plugin_option(None, low=0, low_open=True)
+    # the p of the p-norm (inf for the max-norm)
+    norm_type: float = plugin_option(2.0, low=0, low_open=True, finite=False, note="2.0 for L2, inf for max")
     log_grad_norm: bool = True  # put the pre-clip norm in metrics.jsonl as grad_norm
 
     def __post_init__(self) -> None:
+        check_plugin_options(self)
         if (self.max_norm is None) == (self.clip_value is None):
             raise ValueError(
                 "set exactly one of max_norm (clip by total norm) or clip_value (clip by value), "
                 f"got max_norm={self.max_norm}, clip_value={self.clip_value}"
-            )
-        for key in ("max_norm", "clip_value"):
-            value = getattr(self, key)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"{key} must be a finite number > 0, got {value}")
-        if not (self.norm_type > 0):
-            raise ValueError(
-                f"norm_type must be > 0 (2.0 for L2, inf for max), got {self.norm_type}"
             )
 
 

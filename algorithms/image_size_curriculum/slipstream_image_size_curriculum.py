@@ -30,8 +30,10 @@ from slipstream import (
     Duration,
     State,
     batch_generator,
+    check_plugin_options,
     hookimpl,
     parse_duration_option,
+    plugin_option,
     to_unit_float,
 )
 
@@ -41,41 +43,28 @@ MODES = ("bilinear", "nearest", "random_crop")
 
 @dataclass
 class ImageSizeCurriculumConfig:
-    schedule: str = "linear"
+    schedule: str = plugin_option("linear", choices=SCHEDULES)
     # linear: fractions of the full size and of the run
-    initial_scale: float = 0.5
-    delay: float = 0.4
-    finetune: float = 0.2
+    initial_scale: float = plugin_option(0.5, low=0, high=1, low_open=True)
+    delay: float = plugin_option(0.4, low=0, high=1, note="a fraction of the run")
+    finetune: float = plugin_option(0.2, low=0, high=1, note="a fraction of the run")
     # stepped: pixels and a duration
-    initial_size: int = 32
-    increment: int = 32
+    initial_size: int = plugin_option(32, low=1, whole=True, note="pixels")
+    increment: int = plugin_option(32, low=1, whole=True, note="pixels")
     every: str = "5ep"
     # sizes are rounded to a multiple of this; 0 or None = the model's patch size (1 for CNNs)
-    size_multiple: Optional[int] = None
-    mode: str = "bilinear"
+    size_multiple: Optional[int] = plugin_option(None, low=0, whole=True, note="0 or null = automatic")
+    mode: str = plugin_option("bilinear", choices=MODES)
     antialias: bool = True
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if not 0 < self.initial_scale <= 1:
-            raise ValueError(f"initial_scale must be in (0, 1], got {self.initial_scale}")
-        for key in ("delay", "finetune"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise ValueError(f"{key} must be a fraction of the run in [0, 1], got {getattr(self, key)}")
+        check_plugin_options(self)
         if self.delay + self.finetune > 1:
             raise ValueError(
                 f"delay + finetune must be at most 1 (they are fractions of one run), "
                 f"got {self.delay} + {self.finetune}"
             )
-        for key in ("initial_size", "increment"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be a positive number of pixels, got {getattr(self, key)}")
         parse_duration_option(ImageSizeCurriculum.name, "every", self.every, positive=True)
-        if self.size_multiple is not None and self.size_multiple < 0:
-            raise ValueError(f"size_multiple must be >= 0 (0 or null = automatic), got {self.size_multiple}")
 
     @property
     def time_unit(self) -> str:

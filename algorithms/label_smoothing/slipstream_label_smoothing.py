@@ -25,16 +25,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream import Algorithm, ConfigError, State, hookimpl
+from slipstream import Algorithm, ConfigError, State, check_plugin_options, check_value, hookimpl, plugin_option
+
+SMOOTHING = {"low": 0, "high": 1, "high_open": True, "note": "0 = off"}
 
 
 @dataclass
 class LabelSmoothingConfig:
-    smoothing: float = 0.1  # probability mass spread uniformly over all classes
+    # probability mass spread uniformly over all classes
+    smoothing: float = plugin_option(0.1, **SMOOTHING)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.smoothing < 1:
-            raise ValueError(f"smoothing must be in [0, 1) (0 = off), got {self.smoothing}")
+        check_plugin_options(self)
 
 
 def smooth_cross_entropy(
@@ -46,8 +48,7 @@ def smooth_cross_entropy(
     ``targets`` are class indices (or class probabilities, smoothed the same way).
     Equal to ``nn.CrossEntropyLoss(label_smoothing=smoothing)``: it is torch's implementation.
     """
-    if not 0 <= smoothing < 1:
-        raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+    check_value("smoothing", smoothing, **SMOOTHING)
     return F.cross_entropy(logits, targets, reduction=reduction, label_smoothing=smoothing)
 
 

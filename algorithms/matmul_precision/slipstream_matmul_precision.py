@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from slipstream import Algorithm, State, hookimpl
+from slipstream import Algorithm, State, check_plugin_options, check_value, hookimpl, plugin_option
 
 PRECISIONS = ("highest", "high", "medium")
 
@@ -25,15 +25,12 @@ PRECISIONS = ("highest", "high", "medium")
 class MatmulPrecisionConfig:
     # torch.set_float32_matmul_precision: "high" = TF32 matmuls on CUDA (this is
     # also torch.backends.cuda.matmul.allow_tf32), "medium" = bf16 allowed too.
-    precision: str = "high"
+    precision: str = plugin_option("high", choices=PRECISIONS)
     cudnn_tf32: bool = True  # torch.backends.cudnn.allow_tf32 (convolutions, CUDA)
     cudnn_benchmark: bool = True  # torch.backends.cudnn.benchmark (CUDA)
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(
-                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
-            )
+        check_plugin_options(self)
 
 
 @dataclass
@@ -64,8 +61,7 @@ def set_matmul_precision(
     'medium'
     >>> _ = set_matmul_precision(**asdict(previous))
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    check_value("precision", precision, choices=PRECISIONS)
     previous = MatmulSettings.current()
     torch.set_float32_matmul_precision(precision)
     torch.backends.cudnn.allow_tf32 = cudnn_tf32

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from slipstream import Algorithm, ConfigError, State, hookimpl
+from slipstream import Algorithm, ConfigError, State, check_plugin_options, check_value, hookimpl, plugin_option
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CHOICES = ("auto", *DTYPES)
@@ -29,18 +29,14 @@ class MixedPrecisionConfig:
     # torch.cuda.is_bf16_supported(), fp16 with loss scaling otherwise; on a CPU bf16
     # where it has bf16 units (AVX-512 BF16 / AMX), full precision (no autocast) where
     # it has none, because emulated bf16 is far slower than fp32 there.
-    dtype: str = "auto"
+    dtype: str = plugin_option("auto", choices=CHOICES)
     # fp16: warn (and say so in summary.json) when the GradScaler skips this many
     # optimizer steps in a row. A healthy run skips a few at the start while the
     # scale comes down from 2**16; this many in a row means it is not training.
-    warn_after_skips: int = 25
+    warn_after_skips: int = plugin_option(25, low=1, whole=True, note="optimizer steps")
 
     def __post_init__(self) -> None:
-        if self.dtype not in CHOICES:
-            raise ValueError(f"dtype must be one of {', '.join(CHOICES)}, got {self.dtype!r}")
-        n = self.warn_after_skips
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"warn_after_skips must be a whole number of steps, at least 1, got {n!r}")
+        check_plugin_options(self)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -67,8 +63,7 @@ def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
     True
     """
     device = torch.device(device)
-    if dtype not in CHOICES:
-        raise ValueError(f"dtype must be one of {', '.join(CHOICES)}, got {dtype!r}")
+    check_value("dtype", dtype, choices=CHOICES)
     bf16_ok = device.type != "cuda" or torch.cuda.is_bf16_supported()
     if dtype == "auto":
         if device.type == "cpu":

@@ -26,27 +26,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream import Algorithm, ConfigError, State, batch_seed, hookimpl, to_unit_float
+from slipstream import (
+    Algorithm,
+    ConfigError,
+    State,
+    batch_seed,
+    check_plugin_options,
+    hookimpl,
+    plugin_option,
+    to_unit_float,
+)
 
 
 @dataclass
 class MixupConfig:
-    alpha: float = 0.2  # Beta(alpha, alpha) for the mixing weight; small alpha = mostly one image
-    prob: float = 1.0  # fraction of training batches that are mixed
-    num_classes: Optional[int] = None  # None: the run's (model.num_classes, or the model's head)
+    # Beta(alpha, alpha) for the mixing weight; small alpha = mostly one image
+    alpha: float = plugin_option(0.2, low=0, low_open=True, note="the Beta distribution's parameter")
+    prob: float = plugin_option(1.0, low=0, high=1, note="the fraction of batches mixed")
+    # None: the run's (model.num_classes, or the model's head)
+    num_classes: Optional[int] = plugin_option(None, low=2, whole=True, note="or null: the run's")
 
     def __post_init__(self) -> None:
-        check_mixing_config(self.alpha, self.prob, self.num_classes)
-
-
-def check_mixing_config(alpha: float, prob: float, num_classes: int | None) -> None:
-    """The checks MixUp and CutMix share: ValueErrors that name the key."""
-    if not alpha > 0:
-        raise ValueError(f"alpha must be > 0 (the Beta distribution's parameter), got {alpha}")
-    if not 0 <= prob <= 1:
-        raise ValueError(f"prob must be in [0, 1] (the fraction of batches mixed), got {prob}")
-    if num_classes is not None and num_classes < 2:
-        raise ValueError(f"num_classes must be at least 2 (or null: the run's), got {num_classes}")
+        check_plugin_options(self)
 
 
 def draw_lambda(alpha: float, generator: np.random.Generator | None = None) -> float:
@@ -116,7 +117,13 @@ def check_soft_target_loss(name: str, state: State, num_classes: int) -> None:
 
 
 def resolve_num_classes(name: str, state: State, configured: int | None) -> int:
-    num_classes = configured or infer_num_classes(state)
+    inferred = infer_num_classes(state)
+    if configured and inferred and configured != inferred:
+        raise ConfigError(
+            f"algorithms.{name}.num_classes={configured} but the model has {inferred} classes "
+            f"(its output); set it to {inferred} or leave it null for the model's"
+        )
+    num_classes = configured or inferred
     if num_classes is None:
         raise ConfigError(
             f"algorithms.{name}: cannot tell the number of classes from the model; "
@@ -139,6 +146,12 @@ class Mixup(Algorithm):
     def __init__(self, config: MixupConfig | None = None) -> None:
         super().__init__(config)
         self.num_classes = 0
+
+    @hookimpl
+    def init(self, state: State) -> None:
+        # Checked here, before the run directory is written; fit_start takes the
+        # value once every plugin's init has shaped the model.
+        resolve_num_classes(self.name, state, self.config.num_classes)
 
     @hookimpl
     def fit_start(self, state: State) -> None:

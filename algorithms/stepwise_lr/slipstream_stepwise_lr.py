@@ -16,7 +16,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from slipstream import Algorithm, ConfigError, Duration, State, hookimpl, parse_duration_option
+from slipstream import (
+    Algorithm,
+    ConfigError,
+    Duration,
+    State,
+    check_plugin_options,
+    hookimpl,
+    parse_duration_option,
+    plugin_option,
+)
 
 SCHEDULES = (
     "constant",
@@ -38,37 +47,31 @@ _DURATION_KEYS = {
 
 @dataclass
 class StepwiseLRConfig:
-    schedule: str = "warmup_cosine"
-    interval: str = "step"  # step: new LR every optimizer step; epoch: once per epoch
+    schedule: str = plugin_option("warmup_cosine", choices=SCHEDULES)
+    # step: new LR every optimizer step; epoch: once per epoch
+    interval: str = plugin_option("step", choices=INTERVALS)
     warmup: str = "0.05dur"  # warmup_cosine / warmup_linear: linear warm-up length
-    warmup_start_factor: float = 0.1  # the warm-up starts at this fraction of each group's LR
-    min_lr: float = 0.0  # warmup_cosine / warmup_linear: the LR at the end of the run
+    # the warm-up starts at this fraction of each group's LR
+    warmup_start_factor: float = plugin_option(0.1, low=0, high=1)
+    # warmup_cosine / warmup_linear: the LR at the end of the run
+    min_lr: float = plugin_option(0.0, low=0)
     step_size: str = "1ep"  # step: decay period; exponential: the time gamma applies to
     milestones: list[str] = field(default_factory=lambda: ["0.5dur", "0.75dur"])  # multistep
-    gamma: float = 0.1  # step / multistep / exponential: the decay factor
-    pct_start: float = 0.3  # onecycle: fraction of the run spent rising
-    div_factor: float = 25.0  # onecycle: starting LR = lr / div_factor
-    final_div_factor: float = 1e4  # onecycle: final LR = starting LR / final_div_factor
+    # step / multistep / exponential: the decay factor
+    gamma: float = plugin_option(0.1, low=0, low_open=True)
+    # onecycle: fraction of the run spent rising
+    pct_start: float = plugin_option(0.3, low=0, high=1, low_open=True, high_open=True)
+    # onecycle: starting LR = lr / div_factor
+    div_factor: float = plugin_option(25.0, low=0, low_open=True)
+    # onecycle: final LR = starting LR / final_div_factor
+    final_div_factor: float = plugin_option(1e4, low=0, low_open=True)
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.interval not in INTERVALS:
-            raise ValueError(f"interval must be one of {', '.join(INTERVALS)}, got {self.interval!r}")
+        check_plugin_options(self)
         parse_duration_option(StepwiseLR.name, "warmup", self.warmup)
         parse_duration_option(StepwiseLR.name, "step_size", self.step_size, positive=True)
         for milestone in self.milestones:
             parse_duration_option(StepwiseLR.name, "milestones", milestone)
-        if not 0.0 <= self.warmup_start_factor <= 1.0:
-            raise ValueError(f"warmup_start_factor must be in [0, 1], got {self.warmup_start_factor}")
-        if self.min_lr < 0:
-            raise ValueError(f"min_lr must be >= 0, got {self.min_lr}")
-        if self.gamma <= 0:
-            raise ValueError(f"gamma must be > 0, got {self.gamma}")
-        if not 0.0 < self.pct_start < 1.0:
-            raise ValueError(f"pct_start must be in (0, 1), got {self.pct_start}")
-        if self.div_factor <= 0 or self.final_div_factor <= 0:
-            raise ValueError("div_factor and final_div_factor must be > 0")
 
 
 @dataclass(frozen=True)

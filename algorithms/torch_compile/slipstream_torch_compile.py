@@ -23,14 +23,15 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from slipstream import Algorithm, ConfigError, State, hookimpl
+from slipstream import Algorithm, ConfigError, State, check_plugin_options, hookimpl, plugin_option
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass
 class TorchCompileConfig:
-    mode: Optional[str] = None  # None = "default"; modes apply to the inductor backend
+    # None = "default"; modes apply to the inductor backend
+    mode: Optional[str] = plugin_option(None, choices=MODES, note="or null")
     backend: str = "inductor"  # any name in torch.compiler.list_backends(exclude_tags=())
     fullgraph: bool = False  # True: a graph break is an error instead of a slow fallback
     dynamic: Optional[bool] = None  # None: torch's automatic dynamic shapes
@@ -40,8 +41,7 @@ class TorchCompileConfig:
     dynamic_image_size: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        if self.mode is not None and self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)} (or null), got {self.mode!r}")
+        check_plugin_options(self)
         if not self.backend:
             raise ValueError("backend must be a backend name such as 'inductor', got ''")
         if self.mode not in (None, "default") and self.backend != "inductor":

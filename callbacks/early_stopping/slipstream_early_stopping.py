@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from slipstream import Callback, State, hookimpl
+from slipstream import Callback, State, check_plugin_options, hookimpl, plugin_option
 
 STATUS = "stopped_early"
 # The metrics of an eval record it may watch, and the direction each improves in.
@@ -14,22 +14,18 @@ MODES = {"accuracy": "max", "accuracy_top5": "max", "loss": "min"}
 
 @dataclass
 class EarlyStoppingConfig:
-    monitor: str = "accuracy"  # accuracy | accuracy_top5 | loss, of the eval records
-    patience: int = 3  # evaluations without improvement before the run stops
-    min_delta: float = 0.0  # an improvement smaller than this does not count
-    mode: Optional[str] = None  # max | min; None: max for accuracy, min for loss
+    monitor: str = plugin_option("accuracy", choices=MODES, note="of the eval records")
+    # evaluations without improvement before the run stops
+    patience: int = plugin_option(3, low=1, whole=True, note="evaluations")
+    # an improvement smaller than this does not count
+    min_delta: float = plugin_option(0.0, low=0)
+    # None: max for accuracy, min for loss
+    mode: Optional[str] = plugin_option(None, choices=("max", "min"), note="or null")
 
     def __post_init__(self) -> None:
-        if self.monitor not in MODES:
-            raise ValueError(f"monitor must be one of {', '.join(MODES)}, got {self.monitor!r}")
-        if self.patience < 1:
-            raise ValueError(f"patience must be at least 1 evaluation, got {self.patience}")
-        if self.min_delta < 0:
-            raise ValueError(f"min_delta must be 0 or more, got {self.min_delta}")
+        check_plugin_options(self)
         if self.mode is None:
             self.mode = MODES[self.monitor]
-        if self.mode not in ("max", "min"):
-            raise ValueError(f"mode must be max or min (or null), got {self.mode!r}")
 
 
 def improved(value: float, best: float | None, mode: str, min_delta: float) -> bool:

@@ -61,6 +61,7 @@ class MLflow(Callback):
     """MLflow run: config as params, metrics per record, summary.json and config.yaml as artifacts."""
 
     name = "mlflow"
+    run_files = (FOLDER,)
     config_class = MLflowConfig
 
     def __init__(self, config: MLflowConfig | None = None) -> None:

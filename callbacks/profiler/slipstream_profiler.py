@@ -3,6 +3,7 @@ trace and a table of the top ops under ``RUN_DIR/profiler/``."""
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -12,38 +13,59 @@ from typing import Any, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from slipstream import Callback, State, hookimpl
+from slipstream import Callback, State, check_plugin_options, hookimpl, plugin_option
 
 FOLDER = "profiler"
 TABLE = "top_ops.txt"
 
 
+# The columns torch's key_averages().table() sorts by; any other name fails only
+# when the table is printed, after the run.
+SORT_KEYS = (
+    "self_cpu_time_total",
+    "cpu_time_total",
+    "self_cuda_time_total",
+    "cuda_time_total",
+    "self_device_time_total",
+    "device_time_total",
+    "cpu_time",
+    "cuda_time",
+    "device_time",
+    "self_cpu_memory_usage",
+    "cpu_memory_usage",
+    "self_cuda_memory_usage",
+    "cuda_memory_usage",
+    "self_device_memory_usage",
+    "device_memory_usage",
+    "count",
+)
+
+
 @dataclass
 class ProfilerConfig:
-    wait: int = 1  # steps skipped first (the first step pays one-off costs)
-    warmup: int = 1  # steps traced but thrown away (the profiler's own start-up)
-    active: int = 3  # steps recorded
-    repeat: int = 1  # cycles of wait + warmup + active (0: until the run ends)
+    # steps skipped first (the first step pays one-off costs)
+    wait: int = plugin_option(1, low=0, whole=True)
+    # steps traced but thrown away (the profiler's own start-up)
+    warmup: int = plugin_option(1, low=0, whole=True)
+    active: int = plugin_option(3, low=1, whole=True, note="steps recorded")
+    # cycles of wait + warmup + active
+    repeat: int = plugin_option(1, low=0, whole=True, note="0: until the run ends")
     record_shapes: bool = False  # input shapes of each op (a larger trace)
     profile_memory: bool = False  # allocations per op
     with_stack: bool = False  # Python stacks in the trace (much larger)
-    row_limit: int = 15  # rows of the top-ops table
-    sort_by: Optional[str] = None  # None: self_cuda_time_total on CUDA, else self_cpu_time_total
+    row_limit: int = plugin_option(15, low=1, whole=True, note="rows of the top-ops table")
+    # None: self_cuda_time_total on CUDA, else self_cpu_time_total
+    sort_by: Optional[str] = plugin_option(None, choices=SORT_KEYS, note="or null")
 
     def __post_init__(self) -> None:
-        for key in ("wait", "warmup", "repeat"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"{key} must be 0 or more, got {getattr(self, key)}")
-        if self.active < 1:
-            raise ValueError(f"active must be at least 1 step, got {self.active}")
-        if self.row_limit < 1:
-            raise ValueError(f"row_limit must be at least 1, got {self.row_limit}")
+        check_plugin_options(self)
 
 
 class Profiler(Callback):
     """torch.profiler over chosen steps: a Chrome/Perfetto trace and a top-ops table."""
 
     name = "profiler"
+    run_files = (FOLDER,)
     config_class = ProfilerConfig
 
     def __init__(self, config: ProfilerConfig | None = None) -> None:
@@ -62,6 +84,11 @@ class Profiler(Callback):
         activities = [ProfilerActivity.CPU]
         if state.device.type == "cuda" and torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
+        else:
+            # Kineto looks for GPUs even when asked for CPU activity only, and logs an
+            # ERROR line ("gpuGetDeviceCount failed") on a machine without one; 5 keeps
+            # its messages below the level that prints. Read at its first use.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self.sort_by = cfg.sort_by or (
             "self_cuda_time_total" if ProfilerActivity.CUDA in activities else "self_cpu_time_total"
         )

@@ -8,7 +8,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from slipstream import Callback, PluginError, RunDir, State, flatten, hookimpl, numbers
+from slipstream import (
+    Callback,
+    PluginError,
+    RunDir,
+    State,
+    check_plugin_options,
+    flatten,
+    hookimpl,
+    numbers,
+    plugin_option,
+)
 
 # summary.json fields shown as the run's final metrics next to its hyper-parameters.
 FINAL_METRICS = ("accuracy", "best_accuracy", "eval_loss", "wall_time_s", "samples_per_s", "mfu")
@@ -17,11 +27,11 @@ FINAL_METRICS = ("accuracy", "best_accuracy", "eval_loss", "wall_time_s", "sampl
 @dataclass
 class TensorBoardConfig:
     log_dir: Optional[str] = None  # None: RUN_DIR/tensorboard
-    flush_secs: int = 30  # how often the writer flushes to disk
+    # how often the writer flushes to disk
+    flush_secs: int = plugin_option(30, low=1, whole=True, note="seconds")
 
     def __post_init__(self) -> None:
-        if self.flush_secs < 1:
-            raise ValueError(f"flush_secs must be at least 1, got {self.flush_secs}")
+        check_plugin_options(self)
 
 
 def hparams(config: dict[str, Any]) -> dict[str, Any]:
@@ -41,6 +51,7 @@ class TensorBoard(Callback):
     """TensorBoard scalars of every train/eval record, hyper-parameters and final metrics."""
 
     name = "tensorboard"
+    run_files = ("tensorboard",)
     config_class = TensorBoardConfig
 
     def __init__(self, config: TensorBoardConfig | None = None) -> None:

@@ -6,12 +6,14 @@ run that enables this."""
 from __future__ import annotations
 
 import json
+import netrc
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlparse
 
-from slipstream import Callback, PluginError, RunDir, State, hookimpl, numbers
+from slipstream import Callback, PluginError, RunDir, State, check_plugin_options, hookimpl, numbers, plugin_option
 
 MODES = ("offline", "online", "disabled")
 # summary.json fields copied to the W&B summary at the end.
@@ -22,15 +24,27 @@ FINAL_METRICS = ("status", "accuracy", "best_accuracy", "eval_loss", "wall_time_
 class WandBConfig:
     # offline (default): everything stays on disk, `wandb sync` uploads it later;
     # None: $WANDB_MODE, else offline.
-    mode: Optional[str] = None
+    mode: Optional[str] = plugin_option(None, choices=MODES, note="or null")
     project: str = "slipstream"
     entity: Optional[str] = None
     run_name: Optional[str] = None  # None: the run directory's name
     dir: Optional[str] = None  # None: the run directory (files go to DIR/wandb/)
 
     def __post_init__(self) -> None:
-        if self.mode is not None and self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        check_plugin_options(self)
+
+
+def has_credentials(env: dict[str, str]) -> bool:
+    """Whether wandb would find an API key: ``WANDB_API_KEY``, or the netrc entry
+    that ``wandb login`` writes for the W&B host."""
+    if env.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    path = env.get("NETRC") or str(Path(env.get("HOME") or Path.home()) / ".netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def resolve_mode(configured: str | None, env: dict[str, str]) -> str:
@@ -49,6 +63,7 @@ class WandB(Callback):
     """Weights & Biases run (offline by default): config, metrics per record, final summary."""
 
     name = "wandb"
+    run_files = ("wandb",)
     config_class = WandBConfig
 
     def __init__(self, config: WandBConfig | None = None) -> None:
@@ -62,6 +77,12 @@ class WandB(Callback):
         if state.rank != 0:
             return
         self.mode = resolve_mode(self.config.mode, dict(os.environ))
+        if self.mode == "online" and not has_credentials(dict(os.environ)):
+            # wandb would ask for a key on the terminal (or fail mid-start without one).
+            raise PluginError(
+                "callback 'wandb': mode online needs a W&B API key: set WANDB_API_KEY or run "
+                "`wandb login`; or use mode offline and `wandb sync` later"
+            )
         try:  # here, before anything is written: a missing package fails the start cleanly
             import wandb
         except ImportError as exc:

@@ -17,6 +17,10 @@ The public API, which plugins may import:
 - :func:`batch_seed` / :func:`batch_generator`: the random stream of one training
   batch of one rank (and, with ``stream``, of one consumer), for plugins that draw
   random numbers (same seed, same batches; bit-exact on resume).
+- :func:`plugin_option` declares a plugin config field with its rule (range, finite,
+  whole number, one of ...), :func:`check_plugin_options` applies the rules (first
+  thing in the config's ``__post_init__``) and :func:`check_value` one rule, for a
+  functional API.
 - :func:`parse_duration_option` parses a plugin's duration config key with an
   error that names the algorithm and the key.
 
@@ -33,6 +37,7 @@ if TYPE_CHECKING:
     from .algorithm import Algorithm
     from .callback import Callback
     from .checkpoint import load_checkpoint
+    from .checks import check_plugin_options, check_value, plugin_option
     from .duration import Duration, DurationError, parse_duration_option
     from .errors import CheckpointError, ConfigError, PluginError, SlipstreamError
     from .hookspecs import hookimpl
@@ -62,12 +67,15 @@ _EXPORTS = {
     "Trainer": "trainer",
     "TrainerOptions": "options",
     "batch_generator": "seeds",
+    "check_plugin_options": "checks",
+    "check_value": "checks",
     "batch_seed": "seeds",
     "flatten": "tracking",
     "hookimpl": "hookspecs",
     "load_checkpoint": "checkpoint",
     "numbers": "tracking",
     "parse_duration_option": "duration",
+    "plugin_option": "checks",
     "to_unit_float": "images",
     "unwrap_model": "state",
 }
@@ -87,12 +95,15 @@ __all__ = [
     "Trainer",
     "TrainerOptions",
     "batch_generator",
+    "check_plugin_options",
+    "check_value",
     "batch_seed",
     "flatten",
     "hookimpl",
     "load_checkpoint",
     "numbers",
     "parse_duration_option",
+    "plugin_option",
     "to_unit_float",
     "unwrap_model",
 ]

@@ -468,8 +468,34 @@ def warn_no_ops(cfg: DictConfig) -> None:
         ignored.append("optimizer.head is ignored: only optimizer.backbone_lr_scale reads it")
     if d.persistent_workers and d.num_workers == 0:
         ignored.append("data.persistent_workers is ignored: data.num_workers=0 starts no workers")
+    if t.eval_interval is None:
+        if changed("trainer.best_metric") and t.best_metric is not None:
+            ignored.append("trainer.best_metric is ignored: trainer.eval_interval=null (no best.pt)")
+        if t.target_accuracy is not None:
+            ignored.append("trainer.target_accuracy is never reached: trainer.eval_interval=null")
+        if "early_stopping" in (cfg.get("callbacks") or {}):
+            ignored.append("callbacks.early_stopping never stops the run: trainer.eval_interval=null")
+    classes = known_num_classes(cfg)
+    if classes is not None and classes < 5:
+        if t.best_metric == "accuracy_top5":
+            ignored.append(f"trainer.best_metric=accuracy_top5 is ignored: the runs have {classes} classes (< 5)")
+        stopping = (cfg.get("callbacks") or {}).get("early_stopping") or {}
+        if stopping.get("monitor") == "accuracy_top5":
+            ignored.append(
+                f"callbacks.early_stopping.monitor=accuracy_top5 never stops the run: {classes} classes (< 5)"
+            )
     for message in ignored:
         warnings.warn(message, ConfigWarning, stacklevel=3)
+
+
+def known_num_classes(cfg: DictConfig) -> int | None:
+    """The classes a run of ``cfg`` has, where the config alone says (None: unknown
+    before the data is read)."""
+    if cfg.model.num_classes is not None:
+        return int(cfg.model.num_classes)
+    known = {"synthetic": cfg.data.get("num_classes"), "cifar10": 10, "cifar100": 100}
+    value = known.get(cfg.data.name)
+    return int(value) if value is not None else None
 
 
 def _plain(value: Any) -> Any:

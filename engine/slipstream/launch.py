@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,13 @@ class LaunchOptions:
             raise ConfigError(
                 "--nnodes > 1 needs --master-addr (the host of node 0, which every node can "
                 "reach) and --master-port"
+            )
+        if self.master_port is not None and self.node_rank == 0 and not port_free(self.master_port):
+            # Node 0 listens there: torchrun would fail after starting, with a traceback
+            # per process.
+            raise ConfigError(
+                f"--master-port {self.master_port} is already in use on this machine; choose "
+                "another port, or leave it out (one machine) for a free one"
             )
         return self
 
@@ -84,3 +92,16 @@ def launch(options: LaunchOptions, train_args: Sequence[str]) -> int:
         _, failure = exc.get_first_failure()
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
+
+
+def port_free(port: int) -> bool:
+    """Whether a TCP port can be listened on here (on every interface, as torchrun's
+    store listens)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # A port left in TIME_WAIT by an earlier run is free to listen on again.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True

@@ -14,6 +14,7 @@ import os
 import platform
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -188,10 +189,12 @@ def peak_flops(
     *,
     threads: int | None = None,
     path: Path | None = None,
+    on_probe: Callable[[], None] | None = None,
 ) -> Peak:
     """The peak FLOP/s of ``device`` per dtype: ``configured`` (from
     :func:`parse_peak_tflops`) when given, else the cache, else a fresh probe that is
-    then cached. A cache that cannot be read or written costs only a probe."""
+    then cached. A cache that cannot be read or written costs only a probe.
+    ``on_probe`` is called just before a probe (not when the cache answers)."""
     names = probe_dtypes(device)
     if configured is not None:
         every = configured.get("*")
@@ -204,6 +207,8 @@ def peak_flops(
     cached = cache.get(key, {}).get("flops", {})
     if all(isinstance(cached.get(n), (int, float)) and cached[n] > 0 for n in names):
         return Peak(_at_least_fp32({n: float(cached[n]) for n in names}), "cache")
+    if on_probe is not None:
+        on_probe()
     flops = {n: measure_matmul_flops(device, DTYPES[n]) for n in names}
     cache[key] = {
         "flops": flops,  # as measured

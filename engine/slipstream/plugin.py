@@ -24,9 +24,14 @@ class Plugin:
     exported for inference: the default keeps it (the model as trained, e.g.
     channels-last weights or added layers whose weights were learnt); a plugin whose
     surgery only serves training (activation checkpointing, compilation) undoes it.
+
+    ``run_files`` names what the plugin writes directly under the run directory
+    (files or folders, e.g. ``("tensorboard",)``): they are the run's files, so
+    ``trainer.overwrite=true`` removes them with the engine's own.
     """
 
     kind: ClassVar[str] = "plugin"
+    run_files: ClassVar[tuple[str, ...]] = ()
     name: ClassVar[str] = ""
     config_class: ClassVar[type | None] = None
     weights: ClassVar[str | None] = None

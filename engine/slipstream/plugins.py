@@ -201,8 +201,20 @@ def build_config(cls: type[Plugin], options: dict[str, Any] | None) -> Any:
                 f"{name}: unknown key {key!r}{did_you_mean(key, fields)}; "
                 f"allowed keys: {', '.join(fields)}"
             )
+    structured = OmegaConf.structured(cls.config_class)
+    for key, value in options.items():
+        # A mapping where a list belongs (or the reverse) fails inside omegaconf with
+        # a TypeError that names no key: merge each container alone to name it.
+        if isinstance(value, (dict, list)) and not isinstance(getattr(fields[key], "default", None), type(value)):
+            try:
+                OmegaConf.merge(structured, {key: value})
+            except TypeError:
+                field_type = _type_name(fields[key].type)
+                raise ConfigError(f"{name}.{key}: expected {field_type}, got {value!r}") from None
+            except OmegaConfBaseException:
+                pass  # reported with its key below
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(cls.config_class), options)
+        merged = OmegaConf.merge(structured, options)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"

@@ -229,6 +229,12 @@ def build_figure(runs: Sequence[Run]) -> Figure:
             ax.text(
                 0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="grey"
             )
+        # A run that diverged or failed says so where its lines would be.
+        marks = [f"{run.name}: {_status(run)}" for run in runs if _status(run) in NO_RESULT]
+        if marks:
+            ax.text(
+                0.02, 0.02, "\n".join(marks), transform=ax.transAxes, ha="left", va="bottom", color="C3"
+            )
         ax.set_title(title)
         ax.set_xlabel(X_LABEL)
         ax.set_ylabel(ylabel)
@@ -237,7 +243,9 @@ def build_figure(runs: Sequence[Run]) -> Figure:
     panel_axes[4].ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
 
     # Below the panels, so it is not squeezed over any data.
-    handles = [Line2D([], [], color=f"C{i % 10}", label=run.name) for i, run in enumerate(runs)]
+    handles = [
+        Line2D([], [], color=f"C{i % 10}", label=_legend_label(run)) for i, run in enumerate(runs)
+    ]
     fig.legend(
         handles=handles,
         loc="outside lower center",
@@ -246,6 +254,15 @@ def build_figure(runs: Sequence[Run]) -> Figure:
         frameon=False,
     )
     return fig
+
+
+def _status(run: Run) -> str | None:
+    return (run.summary or {}).get("status")
+
+
+def _legend_label(run: Run) -> str:
+    status = _status(run)
+    return run.name if status in (None, "completed") else f"{run.name} ({status})"
 
 
 def plot_runs(runs: Sequence[Run], out_path: str | Path) -> Path:
@@ -278,15 +295,24 @@ def compare_runs_json(runs: Sequence[Run], target: float | None = None) -> list[
         target = rows[0]["final_accuracy_pct"] / 100.0
     for run, row in zip(runs, rows, strict=True):
         row["target_accuracy_pct"] = None if target is None else 100.0 * target
-        row["time_to_target_s"] = None if target is None else time_to_accuracy(run, target)
+        reached = None if target is None or row["status"] in NO_RESULT else time_to_accuracy(run, target)
+        row["time_to_target_s"] = reached
     if rows:
         base = rows[0]
         for row in rows:
-            row["speedup"] = _ratio(base["wall_time_s"], row["wall_time_s"])
+            # A run that diverged (or failed) trained nothing worth a speed-up: its
+            # status says what happened, no figure stands for it.
+            failed = row["status"] in NO_RESULT or base["status"] in NO_RESULT
+            row["speedup"] = None if failed else _ratio(base["wall_time_s"], row["wall_time_s"])
             row["time_to_target_speedup"] = _ratio(
                 base["time_to_target_s"], row["time_to_target_s"]
             )
     return rows
+
+
+# Statuses of runs whose final weights measure nothing: compare gives them no
+# accuracy or speed-up, plot marks them.
+NO_RESULT = ("diverged", "failed")
 
 
 def time_to_accuracy(run: Run, target: float) -> float | None:
@@ -311,9 +337,11 @@ def _row(run: Run) -> dict[str, Any]:
     # The summary is authoritative; the metrics log fills in for runs that died
     # before writing one.
     final = _number(summary.get("accuracy"))
-    if final is None and accuracies:
+    if final is None and accuracies and summary.get("status") not in NO_RESULT:
         final = accuracies[-1]
     best = max(accuracies) if accuracies else final
+    if summary.get("status") in NO_RESULT:
+        final = best = None
 
     wall = _number(summary.get("wall_time_s"))
     if wall is None:

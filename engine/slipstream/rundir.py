@@ -29,7 +29,7 @@ import re
 import secrets
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -143,12 +143,24 @@ class RunDir:
             held.insert(0, METRICS)
         return held
 
-    def clear(self) -> list[Path]:
-        """Delete the files of the contract (and an emptied checkpoints folder);
-        anything else in the directory is left alone. Returns what was deleted."""
+    def clear(self, plugin_files: Iterable[str] = ()) -> list[Path]:
+        """Delete the files of the contract (and an emptied checkpoints folder),
+        and ``plugin_files``: names directly under the directory that plugins
+        declare as theirs (:attr:`slipstream.Plugin.run_files`); anything else in the
+        directory is left alone. Returns what was deleted."""
         removed = self.run_files()
         for path in removed:
             path.unlink(missing_ok=True)
+        for name in sorted(set(plugin_files)):
+            path = self.root / name
+            if Path(name).name != name or name in ("", ".", ".."):
+                continue  # only a plain name under the run directory, never above it
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink(missing_ok=True)
+                removed.append(path)
         temporary = [
             p for p in (self.checkpoints.iterdir() if self.checkpoints.is_dir() else ())
             if p.is_dir() and _SHARDS_TEMPORARY.fullmatch(p.name)
@@ -213,13 +225,15 @@ def prepare_run_dir(
     load_path: Path | None,
     config: dict[str, Any] | None,
     verbose: bool = False,
+    plugin_files: Iterable[str] = (),
 ) -> None:
     """Make the run directory this run's alone, once set-up has succeeded (so a
     start that fails leaves an earlier run intact): overwrite clears the files of
     the contract, and so does a retry after a start that failed before writing any
-    record or checkpoint. A resumed run keeps its files. Writes config.yaml."""
+    record or checkpoint. A resumed run keeps its files. Writes config.yaml.
+    ``plugin_files``: what plugins write under the run directory, cleared too."""
     if not resumes_in(paths, load_path) and (overwrite or not paths.holds_run()):
-        removed = paths.clear()
+        removed = paths.clear(plugin_files)
         if removed and verbose and overwrite:
             print(
                 f"slipstream: trainer.overwrite: removed {len(removed)} files of the "

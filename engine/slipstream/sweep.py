@@ -34,9 +34,11 @@ from optuna.distributions import (
 )
 from optuna.trial import TrialState
 
-from .config import build_config, to_dict
+from .config import build_config, known_num_classes, to_dict
 from .errors import ConfigError, did_you_mean
 from .hookspecs import hookimpl
+from .optim import OPTIMIZERS
+from .plugins import CALLBACKS_GROUP, discover, instantiate
 from .rundir import atomic_write_text
 from .runner import build_trainer
 from .state import State
@@ -129,6 +131,9 @@ def parse_search_space(arguments: Sequence[str]) -> SearchSpace:
     return SearchSpace(distributions, tuple(fixed))
 
 
+MAX_FAILURES = 3
+
+
 class PruningHook:
     """Reports the metric at every evaluation; stops the run when the pruner says so.
 
@@ -153,7 +158,10 @@ class PruningHook:
         self.last = float(value)
         step = state.timestamp.batch
         self.trial.report(self.last, step=step)
-        if self.pruned_at is None and self.trial.should_prune():
+        # At the run's last evaluation the trial has finished: it completes, with
+        # its value, and can be the best; pruning it would save nothing.
+        finished = state.time_in(state.max_duration.unit) >= state.max_duration.value
+        if self.pruned_at is None and not finished and self.trial.should_prune():
             self.pruned_at = step
             state.request_stop(
                 "stopped_early",
@@ -194,15 +202,30 @@ def run_sweep(
         raise ConfigError(f"--direction {direction!r}: use maximize or minimize")
     if trials < 1:
         raise ConfigError(f"--trials must be at least 1, got {trials}")
+    if pruner_startup_trials < 0:
+        raise ConfigError(
+            f"--pruner-startup-trials must be 0 or more (finished trials before pruning), got {pruner_startup_trials}"
+        )
     space = parse_search_space(arguments)
     if not space.distributions:
         raise ConfigError(f"sweep: nothing to search; give at least one argument of the form {FORMS}")
     # The whole space is checked against the config before anything is written:
     # each form's lower end, as a trial would set it.
     lows = {k: _low(d) for k, d in space.distributions.items()}
-    base = build_config(recipe, None, space.overrides(lows))
+    base = _check_trial_config(recipe, space.overrides(lows))
+    # Every other value of a choice too: a trial must not be the first to find one bad.
+    for key, dist in space.distributions.items():
+        if isinstance(dist, CategoricalDistribution):
+            for value in dist.choices[1:]:
+                _check_trial_config(recipe, space.overrides({**lows, key: value}))
     if base.trainer.eval_interval is None:
         raise ConfigError("sweep: trials need evaluations to compare; set trainer.eval_interval (e.g. 1ep)")
+    classes = known_num_classes(base)
+    if metric == "accuracy_top5" and classes is not None and classes < 5:
+        raise ConfigError(
+            f"--metric accuracy_top5 needs at least 5 classes; these runs have {classes}: "
+            "use accuracy or loss"
+        )
 
     root = Path(sweep_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -210,7 +233,6 @@ def run_sweep(
     study = optuna.create_study(
         study_name="slipstream",
         storage=f"sqlite:///{(root / STUDY_DB).resolve()}",
-        sampler=optuna.samplers.TPESampler(seed=int(base.trainer.seed)),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=pruner_startup_trials),
         direction=direction,
         load_if_exists=True,
@@ -219,20 +241,39 @@ def run_sweep(
     _check_same_sweep(study, described, root)
     for stale in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         study.tell(stale.number, state=TrialState.FAIL)  # its process was killed mid-trial
+    # Seeded from the trainer's seed and the trials the study holds: the same command
+    # gives the same sweep, and a continued one samples new points instead of
+    # repeating the first ones (the sampler keeps no state in the storage).
+    study.sampler = optuna.samplers.TPESampler(seed=int(base.trainer.seed) + len(study.trials))
     done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
     if not study.trials:
         for params in enqueue:
             study.enqueue_trial(params)
     remaining = max(trials - done, 0)
     if verbose and done:
-        print(f"slipstream: sweep {root}: {done} trials done, {remaining} to go", file=sys.stderr)
+        print(f"slipstream: sweep {root}: {_count(done, 'trial')} done, {remaining} to go", file=sys.stderr)
 
     def objective(trial: optuna.Trial) -> float:
         params = {key: suggest(trial, key, dist) for key, dist in space.distributions.items()}
         return _run_trial(recipe, space.overrides(params), root, trial, metric, verbose)
 
-    if remaining:
-        study.optimize(objective, n_trials=remaining, catch=(_TrialFailed,))
+    # A failed trial does not count toward --trials: another one is run in its place,
+    # up to as many failures in this call as trials were asked for (at least 3): a
+    # space where every trial fails must not run for ever.
+    failures = 0
+    while remaining and failures < max(trials, MAX_FAILURES):
+        study.optimize(objective, n_trials=1, catch=(_TrialFailed,))
+        finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
+        if finished > done:
+            done, remaining = finished, remaining - 1
+        else:
+            failures += 1
+    if remaining and verbose:
+        print(
+            f"slipstream: sweep {root}: stopped after {_count(failures, 'failed trial')}, "
+            f"{_count(remaining, 'trial')} short; see the failed trials' run directories",
+            file=sys.stderr,
+        )
     rows = trial_rows(study, metric, root)
     write_trials_csv(rows, root / TRIALS_CSV)
     best = _write_best_recipe(study, recipe, space, root, metric)
@@ -241,6 +282,24 @@ def run_sweep(
         if best is not None:
             print(f"best recipe: {best}  (slipstream train --recipe {best})")
     return SweepResult(study, rows, best)
+
+
+def _check_trial_config(recipe: str | Path, overrides: list[str]) -> Any:
+    """The config of a trial with ``overrides``, checked as far as it can be without
+    building data and model: the config itself, the plugins' options, the optimizer."""
+    cfg = build_config(recipe, None, overrides)
+    installed = discover(load=False)
+    instantiate(dict(to_dict(cfg.algorithms)), installed)
+    instantiate(dict(to_dict(cfg.callbacks)), discover(load=False, group=CALLBACKS_GROUP), CALLBACKS_GROUP)
+    if cfg.optimizer.name not in OPTIMIZERS:
+        raise ConfigError(
+            f"optimizer.name {cfg.optimizer.name!r} is not supported; choose one of {', '.join(OPTIMIZERS)}"
+        )
+    return cfg
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def suggest(trial: optuna.Trial, key: str, dist: BaseDistribution) -> Any:
@@ -305,8 +364,11 @@ def trial_rows(study: optuna.Study, metric: str, root: Path) -> list[dict[str, A
     keys = sorted({k for t in study.trials for k in t.params})
     rows = []
     for t in study.trials:
-        # A pruned trial shows the last value it reported.
-        value = t.value if t.state == TrialState.COMPLETE else t.intermediate_values.get(t.last_step or -1)
+        # A pruned trial shows the last value it reported; a failed one none, whatever
+        # it reported before it diverged (it is no result to rank).
+        value = t.value if t.state == TrialState.COMPLETE else None
+        if t.state == TrialState.PRUNED:
+            value = t.intermediate_values.get(t.last_step or -1)
         rows.append(
             {
                 "trial": t.number,

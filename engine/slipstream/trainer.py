@@ -67,6 +67,7 @@ from .services import (
 from .services.batches import batch_mover
 from .services.divergence import DivergenceMonitor
 from .services.losses import TrainLosses
+from .services.summary import resume_summary
 from .services.target import check_target
 from .state import State, unwrap_model
 
@@ -309,6 +310,17 @@ class Trainer:
                 )
         return built
 
+    def _plugin_files(self) -> set[str]:
+        """What plugins write under the run directory: this run's, and with
+        ``overwrite`` every installed callback's (a logger of the previous run whose
+        folder would otherwise mix two runs)."""
+        names = {n for p in [*self.algorithms, *self.callbacks] for n in p.run_files}
+        if self.overwrite:
+            for info in self._installed_of(CALLBACKS_GROUP).values():
+                info.load()
+                names.update(getattr(info.cls, "run_files", ()))
+        return names
+
     def _known_names(self, algorithms: list[Algorithm]) -> set[str]:
         """Names an order declaration may use: the run's and the installed ones
         (discovered only when a declaration names an algorithm outside the run)."""
@@ -379,7 +391,9 @@ class Trainer:
         # Not a hook implementation: an explicit step after batch_start, so it is
         # last whatever plugins do.
         self.normalize = Normalize(*normalize) if normalize is not None else Normalize()
-        self.evaluator = Evaluator(self.pm.hook, eval_interval, self.normalize.prepare)
+        self.evaluator = Evaluator(
+            self.pm.hook, eval_interval, self.normalize.prepare, guard=self.divergence.before_evaluation
+        )
         self.pm.register(self.evaluator, name=Evaluator.name)
         # The first algorithm in the resolved order is registered last, so its
         # events fire first and its step wrappers are outermost.
@@ -461,6 +475,10 @@ class Trainer:
                 )
             elif self.load_path is not None:
                 restore_checkpoint(state, self.load_path, verbose=self.verbose, hook=self.pm.hook)
+                # The records before the checkpoint are in the log of the run that wrote it.
+                written_in = self.load_path.parent.parent if self.load_path.parent.name == "checkpoints" else None
+                if written_in is not None:
+                    resume_summary(state, RunDir(written_in).metrics, self.target)
             self._wrap_distributed()
             self._bind_hooks()
             if state.rank == 0:
@@ -470,11 +488,13 @@ class Trainer:
                     load_path=self._resume_path,
                     config=self.config,
                     verbose=self.verbose,
+                    plugin_files=self._plugin_files(),
                 )
             state.start_clock()
             self._hooks.fit_start(state=state)
             self._loop()
             state.tick()
+            self.divergence.finish(state)
             self._hooks.fit_end(state=state)
         except BaseException as error:
             state.tick()

@@ -83,8 +83,8 @@ def test_the_box_follows_lambda_and_is_clipped_and_minmax_bounds_its_sides():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"alpha": -1}, "algorithms.cutmix: alpha must be > 0"),
-        ({"prob": -0.1}, "algorithms.cutmix: prob must be in [0, 1]"),
+        ({"alpha": -1}, "algorithms.cutmix: alpha must be a finite number > 0"),
+        ({"prob": -0.1}, "algorithms.cutmix: prob must be a finite number in [0, 1]"),
         ({"minmax": [0.5, 0.2]}, "algorithms.cutmix: minmax must be null or [min, max]"),
         ({"minmax": [0.2]}, "algorithms.cutmix: minmax must be null or [min, max]"),
     ],

@@ -260,14 +260,14 @@ def test_state_is_loaded_after_init_as_the_contract_says():
     "options, message",
     [
         ({"decay": 0.99, "half_life": "50ba"}, "only one of decay and half_life"),
-        ({"decay": 1.0}, r"decay must be in \(0, 1\)"),
-        ({"decay": 0.0}, r"decay must be in \(0, 1\)"),
-        ({"decay": -0.5}, r"decay must be in \(0, 1\)"),
+        ({"decay": 1.0}, r"decay must be a finite number in \(0, 1\)"),
+        ({"decay": 0.0}, r"decay must be a finite number in \(0, 1\)"),
+        ({"decay": -0.5}, r"decay must be a finite number in \(0, 1\)"),
         ({"half_life": "fifty"}, "half_life.*not a duration"),
         ({"half_life": "10m"}, "half_life must be a positive duration in ba, ep, sp or dur"),
         ({"half_life": "0ba"}, "half_life must be a positive duration"),
         ({"start": "soon"}, "start.*not a duration"),
-        ({"update_every": 0}, "update_every must be an integer >= 1"),
+        ({"update_every": 0}, "update_every must be a whole number >= 1"),
         ({"decay": "high"}, "algorithms.ema.decay"),
     ],
 )

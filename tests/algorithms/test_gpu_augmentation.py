@@ -145,9 +145,9 @@ def test_a_shape_changing_augmentation_is_refused_at_run_time():
             r"preset must be one of light, trivial, randaugment, custom, got 'cutout'",
         ),
         ({"crop_scale": [0.0, 1.0]}, r"crop_scale must be"),
-        ({"flip_p": 2.0}, r"flip_p must be in \[0, 1\]"),
-        ({"cpu_threads": -1}, r"cpu_threads must be >= 0"),
-        ({"preset": "randaugment", "randaugment_m": 30}, r"randaugment_m must be in 1..29"),
+        ({"flip_p": 2.0}, r"flip_p must be a finite number in \[0, 1\]"),
+        ({"cpu_threads": -1}, r"cpu_threads must be a whole number >= 0"),
+        ({"preset": "randaugment", "randaugment_m": 30}, r"randaugment_m must be a whole number in \[1, 29\]"),
         (
             {"preset": "randaugment", "randaugment_n": 99},
             r"preset 'randaugment' RandAugment: .*Expect `n`",

@@ -238,7 +238,7 @@ def test_steps_one_changes_nothing(tmp_path):
 
 
 def test_config_errors_name_the_key_and_what_is_allowed():
-    with pytest.raises(ConfigError, match=r"algorithms.grad_accumulation: steps must be an integer >= 1.*got 0"):
+    with pytest.raises(ConfigError, match=r"algorithms.grad_accumulation: steps must be a whole number >= 1.*got 0"):
         build_config(GradAccumulation, {"steps": 0})
     with pytest.raises(ConfigError, match=r"algorithms.grad_accumulation.steps: .*expected int"):
         build_config(GradAccumulation, {"steps": "four"})

@@ -152,7 +152,7 @@ def test_config_errors():
         build_config(GradClipping, {"max_norm": -1.0})
     with pytest.raises(ConfigError, match="clip_value must be a finite number > 0"):
         build_config(GradClipping, {"clip_value": 0.0})
-    with pytest.raises(ConfigError, match="norm_type must be > 0"):
+    with pytest.raises(ConfigError, match="norm_type must be a number > 0"):
         build_config(GradClipping, {"max_norm": 1.0, "norm_type": 0.0})
     with pytest.raises(ConfigError, match="max_norm"):
         build_config(GradClipping, {"max_norm": "big"})

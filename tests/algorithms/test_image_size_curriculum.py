@@ -241,13 +241,13 @@ def test_a_run_resumed_mid_schedule_trains_on_the_same_sizes_and_crops(tmp_path)
     [
         ({"schedule": "cosine"}, "schedule must be one of linear, stepped, got 'cosine'"),
         ({"mode": "bicubic"}, "mode must be one of bilinear, nearest, random_crop"),
-        ({"initial_scale": 0.0}, "initial_scale must be in (0, 1]"),
-        ({"delay": 1.5}, "delay must be a fraction of the run in [0, 1]"),
+        ({"initial_scale": 0.0}, "initial_scale must be a finite number in (0, 1]"),
+        ({"delay": 1.5}, "delay must be a finite number in [0, 1] (a fraction of the run)"),
         ({"delay": 0.7, "finetune": 0.5}, "delay + finetune must be at most 1"),
-        ({"increment": 0}, "increment must be a positive number of pixels"),
+        ({"increment": 0}, "increment must be a whole number >= 1 (pixels)"),
         ({"every": "5 epochs"}, "every: '5 epochs' is not a duration"),
         ({"every": "0ep"}, "every must be a positive duration"),
-        ({"size_multiple": -1}, "size_multiple must be >= 0"),
+        ({"size_multiple": -1}, "size_multiple must be a whole number >= 0"),
         ({"sizes": 3}, "unknown key 'sizes'"),
     ],
 )

@@ -65,7 +65,7 @@ def test_smooth_cross_entropy_equals_torch_and_the_formula(s):
 
 
 def test_smooth_cross_entropy_refuses_a_smoothing_outside_0_1():
-    with pytest.raises(ValueError, match=r"smoothing must be in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"smoothing must be a finite number in \[0, 1\)"):
         smooth_cross_entropy(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), 1.0)
 
 
@@ -177,7 +177,7 @@ def test_keeps_class_weights_and_refuses_a_loss_it_cannot_smooth(tmp_path):
 @pytest.mark.parametrize("value", [1.5, 1.0, -0.1])
 def test_smoothing_out_of_range_is_a_config_error(value):
     with pytest.raises(
-        ConfigError, match=r"algorithms.label_smoothing: smoothing must be in \[0, 1\)"
+        ConfigError, match=r"algorithms.label_smoothing: smoothing must be a finite number in \[0, 1\)"
     ):
         build_config(LabelSmoothing, {"smoothing": value})
 

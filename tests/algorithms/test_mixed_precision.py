@@ -350,5 +350,5 @@ def test_fp16_occasional_skips_are_not_reported(tmp_path):
 
 
 def test_warn_after_skips_is_validated():
-    with pytest.raises(ConfigError, match="warn_after_skips must be a whole number of steps"):
+    with pytest.raises(ConfigError, match="warn_after_skips must be a whole number >= 1"):
         build_config(MixedPrecision, {"warn_after_skips": 0})

@@ -74,9 +74,9 @@ def test_the_same_generator_seed_draws_the_same_mix():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"alpha": 0}, "algorithms.mixup: alpha must be > 0"),
-        ({"prob": 1.5}, "algorithms.mixup: prob must be in [0, 1]"),
-        ({"num_classes": 1}, "algorithms.mixup: num_classes must be at least 2"),
+        ({"alpha": 0}, "algorithms.mixup: alpha must be a finite number > 0"),
+        ({"prob": 1.5}, "algorithms.mixup: prob must be a finite number in [0, 1]"),
+        ({"num_classes": 1}, "algorithms.mixup: num_classes must be a whole number >= 2"),
         ({"alpah": 1}, "algorithms.mixup: unknown key 'alpah'"),
     ],
 )

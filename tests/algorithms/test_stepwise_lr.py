@@ -281,10 +281,10 @@ def test_state_dict_round_trip():
         ({"warmup": "2dur"}, "warmup: '2dur'.*from 0 to 1"),
         ({"step_size": "0ep"}, "step_size must be a positive duration"),
         ({"milestones": ["3ep", "later"]}, "milestones: 'later' is not a duration"),
-        ({"gamma": 0.0}, "gamma must be > 0"),
-        ({"pct_start": 1.0}, r"pct_start must be in \(0, 1\)"),
-        ({"warmup_start_factor": 1.5}, r"warmup_start_factor must be in \[0, 1\]"),
-        ({"min_lr": -1.0}, "min_lr must be >= 0"),
+        ({"gamma": 0.0}, "gamma must be a finite number > 0"),
+        ({"pct_start": 1.0}, r"pct_start must be a finite number in \(0, 1\)"),
+        ({"warmup_start_factor": 1.5}, r"warmup_start_factor must be a finite number in \[0, 1\]"),
+        ({"min_lr": -1.0}, "min_lr must be a finite number >= 0"),
     ],
 )
 def test_config_errors_name_the_key_and_what_is_allowed(options, message):

@@ -75,7 +75,7 @@ def test_improved_and_config_checks():
     assert improved(0.7, 0.6, "max", 0.05) and not improved(0.62, 0.6, "max", 0.05)
     assert improved(0.5, 0.6, "min", 0.0) and not improved(0.6, 0.6, "min", 0.0)
     assert EarlyStoppingConfig(monitor="accuracy").mode == "max"
-    with pytest.raises(ValueError, match="patience must be at least 1"):
+    with pytest.raises(ValueError, match="patience must be a whole number >= 1"):
         EarlyStoppingConfig(patience=0)
-    with pytest.raises(ValueError, match="mode must be max or min"):
+    with pytest.raises(ValueError, match="mode must be one of max, min"):
         EarlyStoppingConfig(mode="up")

@@ -92,6 +92,7 @@ class Checkpointer:
                 saved = None
             if isinstance(saved, dict) and saved.get("metric") == self.best_metric:
                 self.best = saved
+                state.summary["best_checkpoint"] = saved
 
     def idle_hooks(self) -> frozenset[str]:
         """Left out of the bound hooks (:mod:`slipstream.dispatch`): ``batch_end``

@@ -4,9 +4,12 @@ Each step's loss stays on the device (:mod:`slipstream.services.losses` keeps it
 the losses of an interval are read together at the logging interval, where the
 metrics log already waits for the device, and before every checkpoint, and this
 monitor looks at every value read: the loop never syncs per step, and a checkpoint
-is never written after an unnoticed NaN. At the first non-finite loss it says where
-the run went non-finite (:mod:`slipstream.services.nonfinite`), looked at then and
-only then.
+is never written after an unnoticed NaN. The losses are read before every evaluation
+too, and the weights are looked at there and at the end of the run: no evaluation
+runs on weights that are not finite, and a run whose final weights are not finite
+ends ``diverged``, whatever ``on_nonfinite`` says. At the first non-finite loss it
+says where the run went non-finite (:mod:`slipstream.services.nonfinite`), looked at
+then and only then.
 """
 
 from __future__ import annotations
@@ -49,6 +52,42 @@ class DivergenceMonitor:
         self.losses = losses
         losses.inspector = self.inspect
         self.nonfinite_steps = 0
+
+    def before_evaluation(self, state: State) -> bool:
+        """Whether an evaluation may run now: the losses since the last read are
+        finite (or ``warn``) and so are the weights. Costs one device sync, which the
+        evaluation that follows pays anyway."""
+        return self.check(state) and self._weights_ok(state)
+
+    def finish(self, state: State) -> None:
+        """At the end of the loop, before the final evaluation: read the last
+        losses, then refuse to call weights that are not finite ``completed``."""
+        if state.stop_status != "interrupted" and self.check(state):
+            self._weights_ok(state, final=True)
+
+    def _weights_ok(self, state: State, final: bool = False) -> bool:
+        """True when the weights are finite. Otherwise ``stop`` stops the run as
+        diverged; ``warn`` trains on with no evaluation, and the run ends diverged."""
+        if weights_finite(state):
+            return True
+        step = state.timestamp.batch
+        first = "nonfinite_weights" not in state.summary
+        state.summary.setdefault("nonfinite_weights", {"first_step": step})
+        if self.on_nonfinite == "stop" or final:
+            since = state.summary["nonfinite_weights"]["first_step"]
+            state.request_stop(
+                "diverged",
+                f"diverged: the model's weights are not finite (seen at step {since}); no "
+                "evaluation of them and no checkpoint (lower optimizer.lr or add grad_clipping)",
+            )
+        elif first:
+            warnings.warn(
+                f"slipstream: the model's weights are not finite at step {step}; training on "
+                "(trainer.on_nonfinite=warn) without evaluating them, and the run will end diverged",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return False
 
     def check(self, state: State) -> bool:
         """Read the losses since the last read; False when the run has diverged
@@ -102,9 +141,13 @@ class DivergenceMonitor:
         state.summary["nonfinite_at"] = {k: v for k, v in found.items() if k != "message"}
         message = f"{message}; {found['message']}"
         if self.on_nonfinite == "stop":
+            # The losses are read at intervals (no sync per step): say where the run
+            # really stopped, which may be some steps later.
+            now = state.timestamp.batch
+            stopped = "stopped" if now == first_step else f"stopped at step {now}, where it was read"
             state.request_stop(
                 "diverged",
-                f"diverged: {message}; stopped, and no checkpoint of the diverged weights was "
+                f"diverged: {message}; {stopped}, and no checkpoint of the diverged weights was "
                 f"written ({found['hint']})",
             )
         else:
@@ -114,3 +157,19 @@ class DivergenceMonitor:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+
+def weights_finite(state: State) -> bool:
+    """Whether every parameter of the model is finite (on every rank): one device
+    sync. A sharded parameter is looked at through this rank's shard."""
+    flags = []
+    for param in state.unwrapped_model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if local.numel() and (local.is_floating_point() or local.is_complex()):
+            flags.append(torch.isfinite(local.detach()).all())
+    if not flags:
+        return True
+    ok = torch.stack(flags).all().to(torch.int64).reshape(1)
+    if state.world_size > 1 and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())

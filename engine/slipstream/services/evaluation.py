@@ -28,8 +28,12 @@ class Evaluator:
         hooks: Any,
         interval: Duration | str | None = "1ep",
         prepare: Callable[[State], None] | None = None,
+        guard: Callable[[State], bool] | None = None,
     ) -> None:
+        """``guard``: asked before each evaluation the interval schedules; False
+        (the run diverged) skips it."""
         self.hooks = hooks
+        self.guard = guard or (lambda state: True)
         # The loop's explicit input step (normalisation), run after eval_batch_start.
         self.prepare = prepare or (lambda state: None)
         self.interval = RunInterval(interval)
@@ -47,12 +51,12 @@ class Evaluator:
     @hookimpl
     def batch_end(self, state: State) -> None:
         # The last batch is evaluated by fit_end, once.
-        if not state.is_done() and self.interval.due_at_batch_end(state):
+        if not state.is_done() and self.interval.due_at_batch_end(state) and self.guard(state):
             self.evaluate(state)
 
     @hookimpl
     def epoch_end(self, state: State) -> None:
-        if self.interval.due_at_epoch_end(state):
+        if self.interval.due_at_epoch_end(state) and self.guard(state):
             self.evaluate(state)
 
     @hookimpl(tryfirst=True)
@@ -63,7 +67,7 @@ class Evaluator:
         # is short); diverged weights are not worth evaluating.
         if state.stop_status in ("interrupted", "diverged"):
             return
-        if self.interval.enabled and self._last_eval_batch != state.timestamp.batch:
+        if self.interval.enabled and self._last_eval_batch != state.timestamp.batch and self.guard(state):
             self.evaluate(state)
 
     def evaluate(self, state: State) -> dict[str, float]:

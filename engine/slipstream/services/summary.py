@@ -11,6 +11,8 @@ per second of training: evaluation time is taken out.
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -62,10 +64,13 @@ class SummaryWriter:
         state.tick()
         train_s = max(state.session_elapsed_s - state.summary.get("eval_time_s", 0.0), 1e-9)
         utilization = self.utilization.summary(state, train_s) if self.utilization else {}
+        # A diverged run's final weights are not what any evaluation measured: no
+        # final accuracy (the best of earlier evaluations stays, with its checkpoint).
+        final = {} if status == "diverged" else state.eval_metrics
         return {
             "status": status,
-            "accuracy": state.eval_metrics.get("accuracy"),
-            "eval_loss": state.eval_metrics.get("loss"),
+            "accuracy": final.get("accuracy"),
+            "eval_loss": final.get("loss"),
             "wall_time_s": round(ts.elapsed_s, 3),
             "samples_per_s": state.session_samples / train_s,
             **utilization,
@@ -124,3 +129,43 @@ class SummaryWriter:
     def exception(self, state: State, error: BaseException) -> None:
         # A second Ctrl-C (or SIGTERM) aborts with a KeyboardInterrupt: still an interruption.
         self._write(state, "interrupted" if isinstance(error, KeyboardInterrupt) else "failed", error)
+
+
+def resume_summary(state: State, metrics: Path, target: TargetAccuracy | None = None) -> None:
+    """Make a resumed run's summary describe the whole run, as its metrics log does:
+    the best accuracies and the time the target was reached are taken from the eval
+    records of ``metrics`` up to the checkpoint's step (what the log keeps on resume)."""
+    step = state.timestamp.batch
+    evals = [r for r in _records(metrics) if r.get("kind") == "eval" and _num(r.get("step")) is not None]
+    evals = [r for r in evals if r["step"] <= step]
+    for key, best_key in (("accuracy", "best_accuracy"), ("accuracy_top5", "best_accuracy_top5")):
+        values = [v for r in evals if (v := _num(r.get(key))) is not None]
+        if values:
+            state.summary[best_key] = max(values + [state.summary.get(best_key) or 0.0])
+    if target is not None and target.reached_s is None:
+        for record in evals:
+            accuracy, elapsed = _num(record.get("accuracy")), _num(record.get("elapsed_s"))
+            if accuracy is not None and elapsed is not None and accuracy >= target.target:
+                target.reached_s = elapsed
+                break
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash: the records around it still count
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def _num(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None

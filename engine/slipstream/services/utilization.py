@@ -55,9 +55,11 @@ class Utilization:
         # Here, not in fit_start: init runs before the clock starts, and after the
         # algorithms' own init (they are registered later, so called first), so the
         # compute dtype is known.
-        if self.configured is None and self.verbose:
-            print("slipstream: peak FLOP/s: probing the device (cached after)", file=sys.stderr)
-        self.peak = peak_flops(state.device, self.configured, threads=torch.get_num_threads())
+        def tell() -> None:
+            if self.verbose:
+                print("slipstream: peak FLOP/s: probing the device (cached after)", file=sys.stderr)
+
+        self.peak = peak_flops(state.device, self.configured, threads=torch.get_num_threads(), on_probe=tell)
         dtype = dtype_name(state.compute_dtype)
         if self.peak.source == "config" and dtype not in self.peak.flops:
             raise ConfigError(

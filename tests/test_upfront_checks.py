@@ -1,0 +1,95 @@
+"""Mistakes found before anything is written: one line, exit 2, no run or sweep
+directory; settings that would do nothing are warnings (issue 27)."""
+
+from __future__ import annotations
+
+import pytest
+
+from slipstream.cli import main
+from slipstream.config import build_config
+from slipstream.errors import ConfigWarning
+
+TINY = [
+    "model.name=test_resnet",
+    "data.train_size=32",
+    "data.val_size=16",
+    "data.image_size=16",
+    "data.batch_size=16",
+    "trainer.threads=1",
+    "trainer.max_duration=1ba",
+]
+LR = "optimizer.lr=uniform(0.1,0.2)"
+
+
+def _one_line_exit_2(code, capsys, *fragments):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    for fragment in fragments:
+        assert fragment in err[0], err
+
+
+@pytest.mark.parametrize("plugin", ["mixup", "cutmix"])
+def test_a_mixing_plugins_class_count_must_match_the_model(tmp_path, capsys, plugin):
+    run_dir = tmp_path / "run"
+    overrides = [f"algorithms.{plugin}.num_classes=3", f"trainer.run_dir={run_dir}"]
+    code = main(["train", "-q", "-a", plugin, *TINY, *overrides])
+    _one_line_exit_2(code, capsys, f"algorithms.{plugin}.num_classes=3", "the model has 10 classes")
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "fragment"),
+    [
+        (["optimizer.name=choice(sgd,nosuchopt)"], "optimizer.name 'nosuchopt' is not supported"),
+        (
+            ["algorithms.label_smoothing.smoothing=choice(0.1,2.0)"],
+            "algorithms.label_smoothing: smoothing must be a finite number in [0, 1)",
+        ),
+        (["--pruner-startup-trials", "-1", LR], "--pruner-startup-trials must be 0 or more"),
+        (["--metric", "accuracy_top5", "data.num_classes=3", LR], "needs at least 5 classes"),
+    ],
+)
+def test_a_sweep_checks_every_value_and_argument_before_its_directory(tmp_path, capsys, arguments, fragment):
+    sweep_dir = tmp_path / "sweep"
+    code = main(["sweep", "--trials", "1", "--sweep-dir", str(sweep_dir), *arguments])
+    _one_line_exit_2(code, capsys, fragment)
+    assert not sweep_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "callbacks", "warning"),
+    [
+        (["trainer.eval_interval=null", "trainer.best_metric=loss"], None, "trainer.best_metric is ignored"),
+        (["trainer.eval_interval=null", "trainer.target_accuracy=0.5"], None, "target_accuracy is never reached"),
+        (["trainer.eval_interval=null"], "early_stopping", "early_stopping never stops the run"),
+        (["data.num_classes=3", "trainer.best_metric=accuracy_top5"], None, "3 classes (< 5)"),
+    ],
+)
+def test_a_setting_that_would_do_nothing_is_a_warning(overrides, callbacks, warning):
+    with pytest.warns(ConfigWarning, match=warning.replace("(", r"\(").replace(")", r"\)")):
+        build_config("default", None, overrides, callbacks=callbacks)
+
+
+def test_a_master_port_in_use_is_one_line_before_anything_starts(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run_dir = tmp_path / "run"
+        code = main(
+            ["train", "--nproc-per-node", "2", "--master-port", str(port), *TINY, f"trainer.run_dir={run_dir}"]
+        )
+    _one_line_exit_2(code, capsys, f"--master-port {port} is already in use")
+    assert not run_dir.exists()
+
+
+def test_an_online_logger_without_credentials_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    run_dir = tmp_path / "run"
+    online = ["callbacks.wandb.mode=online", f"trainer.run_dir={run_dir}"]
+    code = main(["train", "-q", "--callbacks", "wandb", *TINY, *online])
+    _one_line_exit_2(code, capsys, "mode online needs a W&B API key")
+    assert not run_dir.exists()
