@@ -68,6 +68,7 @@ _EXPORTS = {
     "load_checkpoint": "checkpoint",
     "numbers": "tracking",
     "parse_duration_option": "duration",
+    "requested_impl": "optim",
     "to_unit_float": "images",
     "unwrap_model": "state",
 }
@@ -93,6 +94,7 @@ __all__ = [
     "load_checkpoint",
     "numbers",
     "parse_duration_option",
+    "requested_impl",
     "to_unit_float",
     "unwrap_model",
 ]
