@@ -49,10 +49,12 @@ OPTIMIZERS = ("sgd", "adamw", "adafactor")
 WRAPS = ("ddp", "fsdp")
 MODELS = ("cnn", "vit")
 IMAGE_SIZE = 16  # the ViT's (8 px patches)
-# The CNN's: at 16 px the ImageNet stem leaves layer4 1x1 maps, where bf16 autocast
-# convolutions return non-finite gradients now and then on AVX-512 BF16 and AMX CPUs
-# (oneDNN; issue 23), and the table would change from one run to the next.
-CNN_IMAGE_SIZE = 32
+# The CNN's: below 48 px the ImageNet stem leaves layer4 1x1 maps, where a bf16 autocast,
+# channels-last stride-2 convolution returns non-finite gradients now and then (oneDNN;
+# issue 23: on AMX, and seen here on AVX-512 BF16, about one run of two of the five
+# together at 32 px), and the table would change from one run to the next. At 64 px,
+# and 48 px at the start of a curriculum at initial_scale 0.75, layer4 sees 2x2 maps.
+CNN_IMAGE_SIZE = 64
 BATCH = 4
 BATCHES = 4  # one epoch; the mid-run checkpoint is after batch 2
 NUM_CLASSES = 4
@@ -480,18 +482,20 @@ def run_local(
     probes: Mapping[str, Probe] | None = None,
     progress: Callable[[Combo, Cell], None] | None = None,
     parts: Sequence[str] = PARTS,
+    resume: Callable[[Combo], bool] | None = None,
 ) -> Matrix:
     """The one-process part: each plugin alone on both models and with each
     optimizer, every pair, the five together (``parts`` chooses; the singles always
     run, since they say which model each plugin applies to, but are only probed and
-    resumed when asked for). A wrap plugin (fsdp) is left to :func:`run_distributed`."""
+    resumed when asked for). ``resume`` says which combinations get the resume check
+    (default: all). A wrap plugin (fsdp) is left to :func:`run_distributed`."""
     names = list(classes)
     matrix = Matrix(names, tuple(n for n in five if n in classes),
                     settings={k: dict(v) for k, v in (settings or {}).items()}, classes=dict(classes))
 
     def do(combo: Combo, checked: bool = True) -> Cell:
         cell = check_combo(combo, classes, workdir, settings=settings, probes=probes if checked else None,
-                           resume=checked)
+                           resume=checked and (resume is None or resume(combo)))
         matrix.cells[combo] = cell
         if progress:
             progress(combo, cell)
@@ -561,6 +565,7 @@ def run_distributed(
     extra: Sequence[str] = (),
     timeout: float = 900,
     progress: Callable[[Combo, Cell], None] | None = None,
+    resume: Callable[[Combo], bool] | None = None,
 ) -> None:
     """Run :func:`distributed_combos` in one 2-process gloo launch (torchrun) and put
     their cells in ``matrix``. ``extra`` are ``--add`` specs the ranks load too."""
@@ -570,6 +575,7 @@ def run_distributed(
     combos = distributed_combos(matrix)
     spec = {
         "combos": [[list(c.names), c.optimizer, c.model, c.wrap] for c in combos],
+        "resume": [resume is None or resume(c) for c in combos],
         "settings": matrix.settings,
         "extra": list(extra),
         "names": matrix.names,
@@ -615,9 +621,11 @@ def _rank_main(spec_path: str) -> None:
     workdir = Path(spec["workdir"]) / "distributed"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     results = []
-    for names, opt, model, wrap in spec["combos"]:
+    for i, (names, opt, model, wrap) in enumerate(spec["combos"]):
         combo = Combo(tuple(names), opt, model, wrap)
-        cell = check_combo(combo, classes, workdir, settings=spec["settings"], rank=rank, world_size=world)
+        resume = spec.get("resume", [True] * len(spec["combos"]))[i]
+        cell = check_combo(combo, classes, workdir, settings=spec["settings"], rank=rank, world_size=world,
+                           resume=resume)
         # Every rank must agree; a rank's failure is the cell's.
         cells: list[Any] = [None] * world
         dist.all_gather_object(cells, cell.__dict__)
@@ -738,7 +746,32 @@ def render(matrix: Matrix, command: str) -> str:
             ) + " |",
             "",
         ]
+    cells = {c.label: [cell.outcome, cell.detail] for c, cell in matrix.cells.items()}
+    lines += ["<!-- the cells, for tests and tools:", json.dumps(cells, indent=0, sort_keys=True), "-->", ""]
     return "\n".join(lines)
+
+
+def cells_of(text: str) -> dict[str, list[str]]:
+    """The cells a table written by :func:`render` records, by combination label."""
+    start = text.index("<!-- the cells, for tests and tools:")
+    body = text[start:].split("\n", 1)[1].rsplit("-->", 1)[0]
+    return json.loads(body)
+
+
+def from_cells(
+    cells: Mapping[str, Sequence[str]],
+    classes: Mapping[str, type[Algorithm]],
+    five: Sequence[str],
+    settings: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Matrix:
+    """A :class:`Matrix` from recorded cells (the record :func:`render` writes)."""
+    matrix = Matrix(list(classes), tuple(n for n in five if n in classes),
+                    settings={k: dict(v) for k, v in (settings or {}).items()}, classes=dict(classes))
+    for label, (outcome, detail) in cells.items():
+        parts = label.split("/")
+        combo = Combo(tuple(parts[0].split("+")), parts[1], parts[2], parts[3] if len(parts) > 3 else None)
+        matrix.cells[combo] = Cell(outcome, detail)
+    return matrix
 
 
 def wrapped_cell(matrix: Matrix, name: str, wrap: str) -> Cell | None:
