@@ -72,3 +72,20 @@ def test_the_table_is_what_the_code_renders(committed):
     rendered = render(from_cells(committed, classes(), FIVE, SETTINGS), COMMAND)
     assert rendered == text, "regenerate docs/compatibility.md with the command in its header"
     assert set(MODELS) == {"cnn", "vit"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--check"], "--check compares with --out PATH"),
+        (["--set", "mixed_precision.dtype=bf16"], "expected algorithms.NAME.KEY=VALUE"),
+        (["--algorithms", "channels_lats"], "no installed algorithm 'channels_lats'"),
+        (["--add", "nowhere.py:Thing"], "expected PATH/TO/module.py:ClassName"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(argv, says, capsys, tmp_path):
+    from slipstream.cli import main
+
+    assert main(["compatibility", *argv, "--no-distributed"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
