@@ -391,6 +391,7 @@ def check_combo(
     run_dir = workdir / combo.label.replace("/", "_")
     if rank == 0 and run_dir.exists():
         shutil.rmtree(run_dir)
+    _barrier(world_size)  # no rank looks at the run directory before it is gone
     try:
         seen = train_once(combo, classes, run_dir, settings=settings, rank=rank, world_size=world_size)
     except SlipstreamError as exc:
@@ -414,6 +415,7 @@ def check_combo(
         resumed_dir = run_dir.with_name(run_dir.name + "_resumed")
         if rank == 0 and resumed_dir.exists():
             shutil.rmtree(resumed_dir)
+        _barrier(world_size)
         try:
             again_seen = train_once(combo, classes, resumed_dir, settings=settings,
                                     load=_mid_checkpoint(run_dir), rank=rank, world_size=world_size)
@@ -429,6 +431,11 @@ def check_combo(
                 return Cell("failed", f"resume from batch 2 differs in {len(differ)} tensors "
                                       f"(first {differ[0]})", _since(started))
     return Cell("works", "", _since(started))
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1 and torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def _since(start: float) -> float:
