@@ -705,7 +705,7 @@ def render(matrix: Matrix, command: str) -> str:
                 continue
             cell = pair_cell(matrix, a, b)
             row.append(_short(cell))
-            if cell is not None and cell.outcome != "works" and names.index(a) < names.index(b):
+            if cell is not None and cell.outcome not in ("works", "as_one_process") and names.index(a) < names.index(b):
                 notes.append(f"- `{a}` + `{b}`: {_cell_text(cell)}")
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "✓ (1): as in one process: the plugin has no hook where the wrap matters "
