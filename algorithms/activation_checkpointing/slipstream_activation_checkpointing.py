@@ -256,7 +256,20 @@ class ActivationCheckpointing(Algorithm):
     def init(self, state: State) -> None:
         model, cfg = state.unwrapped_model, self.config
         key = "algorithms.activation_checkpointing"
-        auto_timm = cfg.mode == "auto" and cfg.modules is None and _has_timm_checkpointing(model)
+        # timm checkpoints a ResNet's stages as one sequence, whose recompute in backward
+        # runs outside FSDP2's unsharding of each stage: the convolutions meet sharded
+        # DTensor weights and the run crashes at the first backward (compatibility
+        # matrix, torch 2.14). Checkpointing each block as a module of its own works.
+        sharded = any(a.name == "fsdp" for a in state.algorithms)
+        if sharded and cfg.mode == "timm":
+            raise ConfigError(
+                f"{key}.mode=timm cannot run with fsdp: timm's checkpointing may recompute several "
+                "FSDP2 units at once, outside their unsharding (a crash in backward); use mode auto "
+                "or modules, which checkpoint each block"
+            )
+        auto_timm = (
+            cfg.mode == "auto" and cfg.modules is None and _has_timm_checkpointing(model) and not sharded
+        )
         if cfg.mode == "timm" or auto_timm:
             if not _has_timm_checkpointing(model):
                 raise ConfigError(

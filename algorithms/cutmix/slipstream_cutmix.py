@@ -110,7 +110,9 @@ class Cutmix(Algorithm):
     config_class = CutmixConfig
     # Cut from the final training images: after resizing and per-sample augmentation.
     runs_after = ("image_size_curriculum", "gpu_augmentation")
-    conflicts_with = ("mixup",)
+    # Both replace the batch and its targets at batch_start: the second would mix
+    # already-mixed soft targets. timm's Mixup switches between them per batch instead.
+    conflicts_with = {"mixup": "both mix every batch and its labels; the second would mix mixed labels"}
 
     def __init__(self, config: CutmixConfig | None = None) -> None:
         super().__init__(config)

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from slipstream import Algorithm, ConfigError, State, check_plugin_options, hookimpl, plugin_option
+from slipstream import Algorithm, ConfigError, State, check_plugin_options, hookimpl, plugin_option, requested_impl
 from slipstream.flops import meta_copy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -172,6 +172,35 @@ def make_contiguous(model: nn.Module) -> int:
     return changed
 
 
+def unfuse_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Make ``optimizer`` step with its foreach implementation instead of the fused one,
+    in place (torch reads the flags from the param groups at every step). FSDP2's DTensor
+    parameters have sharding rules for the foreach kernels but none for the fused ones
+    (``aten._fused_sgd_``, ``aten._fused_adamw_``: torch 2.14). Returns whether it was fused.
+
+    Raises :class:`slipstream.ConfigError` when the user asked for the fused
+    implementation by name (``optimizer.impl=fused``, or ``fused=True`` by hand): only
+    ``auto``'s choice is changed, never an explicit one."""
+    if not any(group.get("fused") for group in optimizer.param_groups):
+        return False
+    impl = requested_impl(optimizer)
+    if impl != "auto":
+        raise ConfigError(
+            f"algorithms.fsdp cannot run optimizer.impl={impl} ({type(optimizer).__name__}): "
+            "FSDP2's sharded (DTensor) parameters have no fused optimizer kernels in torch "
+            f"{torch.__version__.split('+')[0]}; use optimizer.impl=auto (foreach under fsdp) or foreach"
+        )
+    for group in optimizer.param_groups:
+        if group.get("fused"):
+            group["fused"] = False
+            if "foreach" in group:
+                group["foreach"] = True
+    optimizer.defaults["fused"] = False
+    if "foreach" in optimizer.defaults:
+        optimizer.defaults["foreach"] = True
+    return True
+
+
 def repoint_optimizer(optimizer: torch.optim.Optimizer, before: dict[int, str], model: nn.Module) -> None:
     """Point ``optimizer``'s groups at ``model``'s parameters of the same names.
     ``before`` maps ``id(parameter)`` to its name, taken before sharding replaced the
@@ -245,6 +274,8 @@ class FSDP(Algorithm):
                 "launch it with `slipstream train --nproc-per-node N` (or torchrun), or drop fsdp"
             )
         cfg, model = self.config, state.unwrapped_model
+        # Before any sharding, so a refusal leaves the model as it was.
+        unfused = unfuse_optimizer(state.optimizer)
         try:
             if cfg.min_params is not None:
                 self.units = size_units(model, cfg.min_params)
@@ -287,6 +318,7 @@ class FSDP(Algorithm):
             "reshard_after_forward": cfg.reshard_after_forward,
             "cpu_offload": offload,
             "sharded_checkpoint": cfg.sharded_checkpoint,
+            "optimizer_impl": "foreach (auto chose fused, which DTensor lacks)" if unfused else None,
         }
 
     @hookimpl
@@ -342,4 +374,5 @@ __all__ = [
     "size_units",
     "to_index_layout",
     "to_name_layout",
+    "unfuse_optimizer",
 ]

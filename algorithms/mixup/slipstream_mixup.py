@@ -141,7 +141,9 @@ class Mixup(Algorithm):
     # Mix the final training images: after resizing and per-sample augmentation.
     runs_after = ("image_size_curriculum", "gpu_augmentation")
     # One mixing per batch: both at once would mix twice (see the card).
-    conflicts_with = ("cutmix",)
+    # Both replace the batch and its targets at batch_start: the second would mix
+    # already-mixed soft targets. timm's Mixup switches between them per batch instead.
+    conflicts_with = {"cutmix": "both mix every batch and its labels; the second would mix mixed labels"}
 
     def __init__(self, config: MixupConfig | None = None) -> None:
         super().__init__(config)

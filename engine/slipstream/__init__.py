@@ -76,6 +76,7 @@ _EXPORTS = {
     "numbers": "tracking",
     "parse_duration_option": "duration",
     "plugin_option": "checks",
+    "requested_impl": "optim",
     "to_unit_float": "images",
     "unwrap_model": "state",
 }
@@ -104,6 +105,7 @@ __all__ = [
     "numbers",
     "parse_duration_option",
     "plugin_option",
+    "requested_impl",
     "to_unit_float",
     "unwrap_model",
 ]

@@ -16,7 +16,8 @@ class Algorithm(Plugin):
 
     Order is declared, never accidental: ``runs_after`` and ``runs_before`` name
     algorithms whose hooks must fire before (after) this one's; ``conflicts_with``
-    names algorithms that cannot share a run. Names of algorithms that are not in
+    names algorithms that cannot share a run, as a tuple or as a dict from each name
+    to why (the refusal at start-up quotes it). Names of algorithms that are not in
     the run are ignored.
 
     Hooks are plain methods decorated with :data:`slipstream.hookimpl`. State that
@@ -26,4 +27,4 @@ class Algorithm(Plugin):
     kind: ClassVar[str] = "algorithm"
     runs_after: ClassVar[tuple[str, ...]] = ()
     runs_before: ClassVar[tuple[str, ...]] = ()
-    conflicts_with: ClassVar[tuple[str, ...]] = ()
+    conflicts_with: ClassVar[tuple[str, ...] | dict[str, str]] = ()

@@ -13,6 +13,8 @@ slipstream eval --checkpoint PATH [--recipe R] [--ema | --weights W] [-o metrics
 slipstream export --checkpoint PATH --format torchscript|onnx|exported-program -o FILE [--ema] [key=value ...]
 slipstream plot RUN_DIR [RUN_DIR ...] [-o runs.png]
 slipstream compare RUN_DIR [RUN_DIR ...] [--target 0.6] [--json]
+slipstream compatibility [--out PATH] [--check] [--algorithms a,b] [--add FILE.py:Class]
+                         [--together a,b,c] [--set algorithms.NAME.KEY=VALUE] [--no-distributed]
 """
 
 from __future__ import annotations
@@ -220,6 +222,28 @@ def _parser() -> argparse.ArgumentParser:
         "(default: the first run's final accuracy)",
     )
     compare.add_argument("--json", action="store_true", help="machine-readable output")
+    compat = sub.add_parser(
+        "compatibility",
+        help="train every installed algorithm alone, in pairs, with each optimizer and wrap; "
+        "write the table (docs/compatibility.md)",
+    )
+    compat.add_argument("--out", type=Path, default=None, help="write the table here (default: print it)")
+    compat.add_argument(
+        "--check", action="store_true", help="compare with --out instead of writing it; exit 1 if it differs"
+    )
+    compat.add_argument("--algorithms", default=None, help="comma-separated names (default: all installed)")
+    compat.add_argument(
+        "--add", action="append", default=[], metavar="FILE.py:Class",
+        help="also an algorithm that is not installed (a plugin's own checkout)",
+    )
+    compat.add_argument("--together", default="", help="comma-separated algorithms also trained all at once")
+    compat.add_argument(
+        "--set", action="append", default=[], dest="settings", metavar="algorithms.NAME.KEY=VALUE",
+        help="an option for the short runs (recorded in the table)",
+    )
+    compat.add_argument(
+        "--no-distributed", action="store_true", help="leave out the 2-process DDP and fsdp runs"
+    )
     return parser
 
 
@@ -601,6 +625,20 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compatibility(args: argparse.Namespace) -> int:
+    from .compat import compatibility_command
+
+    return compatibility_command(
+        out=args.out,
+        check=args.check,
+        algorithms=args.algorithms,
+        add=args.add,
+        together=args.together,
+        settings=args.settings,
+        distributed=not args.no_distributed,
+    )
+
+
 _COMMANDS = {
     "train": _train,
     "datasets": _datasets,
@@ -613,4 +651,5 @@ _COMMANDS = {
     "export": _export,
     "plot": _plot,
     "compare": _compare,
+    "compatibility": _compatibility,
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,6 +18,25 @@ from .imports import import_object, is_import_path
 
 OPTIMIZERS = ("sgd", "adamw", "adafactor")
 IMPLS = ("auto", "fused", "foreach", "for_loop")
+# optimizer.impl as the user asked for it, for the optimizers build_optimizer made: a
+# plugin whose wrap cannot run the implementation "auto" chose (FSDP2's DTensors have no
+# fused kernels) may choose another one, but must refuse one the user named.
+_REQUESTED: weakref.WeakKeyDictionary[torch.optim.Optimizer, str] = weakref.WeakKeyDictionary()
+
+
+def requested_impl(optimizer: torch.optim.Optimizer) -> str:
+    """The implementation the user asked for: ``"auto"`` when :func:`build_optimizer`
+    chose it (a plugin may then pick another), otherwise what the optimizer's flags
+    say (``"fused"``, ``"foreach"``, ``"for_loop"``, or ``"default"`` for torch's own
+    choice), since an optimizer built by hand was chosen by its author."""
+    if optimizer in _REQUESTED:
+        return _REQUESTED[optimizer]
+    flags = optimizer.defaults
+    if flags.get("fused"):
+        return "fused"
+    if flags.get("foreach") is None:
+        return "default"
+    return "foreach" if flags["foreach"] else "for_loop"
 
 
 def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
@@ -128,9 +148,11 @@ def build_optimizer(
         kwargs["eps"] = (None, eps) if cls.__module__.startswith("torch") else eps
     kwargs.update(_impl_kwargs(cls, impl, device))
     try:
-        return cls([g for g in groups if g["params"]], **kwargs)
+        optimizer = cls([g for g in groups if g["params"]], **kwargs)
     except (RuntimeError, ValueError) as exc:
         raise ConfigError(f"cannot build optimizer {name!r} with impl={impl!r}: {exc}") from None
+    _REQUESTED[optimizer] = impl
+    return optimizer
 
 
 # Where timm and torchvision models keep their classifier, for a model without

@@ -261,8 +261,12 @@ def resolve_order(
     for algo in algorithms:
         for other in algo.conflicts_with:
             if other in by_name:
+                # conflicts_with may map each name to why (a dict), so the refusal says it.
+                why = algo.conflicts_with.get(other) if isinstance(algo.conflicts_with, dict) else None
                 raise PluginError(
-                    f"algorithm {algo.name!r} conflicts with {other!r}; enable only one of them"
+                    f"algorithm {algo.name!r} conflicts with {other!r}"
+                    + (f" ({why})" if why else "")
+                    + "; enable only one of them"
                 )
     if installed is not None:
         _warn_unknown_order_names(algorithms, set(installed) | set(by_name))

@@ -5,6 +5,7 @@ version are recorded with the algorithm."""
 from __future__ import annotations
 
 import platform
+from functools import lru_cache
 from importlib import metadata
 
 _LIBRARIES = (
@@ -19,6 +20,11 @@ _LIBRARIES = (
 
 
 def library_versions() -> dict[str, str]:
+    return dict(_library_versions())
+
+
+@lru_cache(maxsize=1)  # read from the installed metadata once per process: it does not change
+def _library_versions() -> dict[str, str]:
     found = {"python": platform.python_version()}
     for name in _LIBRARIES:
         try:

@@ -254,3 +254,25 @@ def test_errors_at_init_name_the_key_and_what_exists():
 def test_declared_order():
     assert ActivationCheckpointing.runs_after == ("locality_ffn",)
     assert ActivationCheckpointing.runs_before == ("torch_compile",)
+
+
+def test_under_fsdp_blocks_are_checkpointed_one_by_one_and_timm_mode_is_refused():
+    # timm checkpoints a ResNet's stages as one sequence, whose recompute crashed under
+    # FSDP2 (compatibility matrix); auto checkpoints each block instead.
+    from types import SimpleNamespace
+
+    import timm
+    from slipstream_activation_checkpointing import ActivationCheckpointing, ActivationCheckpointingConfig
+
+    from slipstream import ConfigError
+
+    fsdp = SimpleNamespace(name="fsdp")
+    model = timm.create_model("test_resnet", num_classes=4)
+    state = SimpleNamespace(unwrapped_model=model, algorithms=[fsdp], summary={})
+    plugin = ActivationCheckpointing(ActivationCheckpointingConfig())
+    plugin.init(state)
+    assert plugin.path == "modules" and plugin.wrapped
+    with pytest.raises(ConfigError, match=r"mode=timm cannot run with fsdp.*use mode auto or modules"):
+        ActivationCheckpointing(ActivationCheckpointingConfig(mode="timm")).init(
+            SimpleNamespace(unwrapped_model=timm.create_model("test_resnet"), algorithms=[fsdp], summary={})
+        )

@@ -96,7 +96,8 @@ def test_bad_config_names_the_key(options, message):
 
 
 def test_mixup_and_cutmix_together_are_refused_naming_both():
-    with pytest.raises(PluginError, match="'mixup' conflicts with 'cutmix'; enable only one of them"):
+    why = r"\(both mix every batch and its labels.*\)"
+    with pytest.raises(PluginError, match=rf"'mixup' conflicts with 'cutmix' {why}; enable only one of them"):
         resolve_order([Mixup(), Cutmix()])
     with pytest.raises(PluginError, match="'cutmix' conflicts with 'mixup'"):
         resolve_order([Cutmix(), Mixup()])

@@ -28,6 +28,7 @@ from slipstream_fsdp import (
 from helpers import tiny_model
 from slipstream import CheckpointError, ConfigError, Trainer, load_checkpoint
 from slipstream.data import build_datasets, build_loader
+from slipstream.optim import build_optimizer
 from slipstream.plugins import build_config, discover
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
@@ -54,13 +55,20 @@ def ranks(tmp_path_factory) -> Path:
     return out
 
 
-def one_process(tmp_path: Path, batches: int = 6, load: Path | None = None, algorithms=()) -> Trainer:
+def one_process(
+    tmp_path: Path, batches: int = 6, load: Path | None = None, algorithms=(), impl: str | None = None
+) -> Trainer:
     """The fsdp runs' training in one process: the same global batches of 16."""
     train, _, classes = build_datasets("synthetic", image_size=16, train_size=64, val_size=16, num_classes=4)
     model = tiny_model("vit", num_classes=classes)
+    optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if impl is None
+        else build_optimizer(model, "sgd", 0.05, impl=impl)
+    )
     trainer = Trainer(
         model=model,
-        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        optimizer=optimizer,
         train_data=build_loader(train, batch_size=16, seed=0),
         max_duration=f"{batches}ba",
         algorithms=list(algorithms),
@@ -95,6 +103,26 @@ def test_two_processes_match_one_process(ranks, tmp_path):
     assert relative_difference(sharded, reference) < 1e-4
     initial = tiny_model("vit").state_dict()
     assert relative_difference(sharded, initial) > 1e-3  # and it trained
+
+
+def test_default_optimizer_fused_by_auto_trains_with_foreach_under_fsdp(ranks, tmp_path):
+    # impl auto picks fused SGD, which FSDP2's DTensors cannot run; fsdp steps it with
+    # foreach instead, and the result is one process's fused SGD's.
+    reference = one_process(tmp_path, batches=3, impl="auto")
+    assert reference.state.optimizer.param_groups[0]["fused"]
+    sharded = weights(ranks / "default_optimizer.weights.pt")
+    assert relative_difference(sharded, reference.state.model.state_dict()) < 1e-4
+    assert relative_difference(sharded, tiny_model("vit").state_dict()) > 1e-3
+    summary = json.loads((ranks / "default_optimizer" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert "foreach" in summary["fsdp"]["optimizer_impl"]
+
+
+def test_explicit_fused_optimizer_is_refused_before_anything_is_written(ranks):
+    refused = json.loads((ranks / "refused.json").read_text())
+    assert refused["error"] and "\n" not in refused["error"]
+    assert "algorithms.fsdp" in refused["error"] and "optimizer.impl=fused" in refused["error"]
+    assert refused["run_dir"] is False
 
 
 def test_mfu_is_counted_under_fsdp_as_in_one_process(ranks, tmp_path):

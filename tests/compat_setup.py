@@ -1,0 +1,92 @@
+"""What the compatibility tests share: the matrix's settings for short runs, the
+per-plugin probes (the observable effects the single-algorithm tests check) and the
+committed table. The three test files each run their part of the matrix once."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from slipstream.compat import Observed, command_line, load_classes, load_file_plugin
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "compatibility.md"
+FIVE = ("mixed_precision", "channels_last", "stepwise_lr", "image_size_curriculum", "gpu_augmentation")
+# The example third-party plugin, not installed: the matrix loads it from its file.
+ADD = ["examples/step_timer/slipstream_step_timer.py:StepTimer"]
+SETTINGS = {
+    "grad_accumulation": {"steps": 2},  # groups end at the mid-run checkpoint (batch 2)
+    "grad_clipping": {"max_norm": 0.5},  # it has no default
+    # Grows within 4 batches; starts at 48 px on the CNN (see slipstream.compat.CNN_IMAGE_SIZE).
+    "image_size_curriculum": {"delay": 0.25, "finetune": 0.25, "initial_scale": 0.75},
+    "mixed_precision": {"dtype": "bf16"},  # auto depends on the CPU; the effect shown is autocast's
+    "torch_compile": {"backend": "aot_eager"},  # dynamo and AOT autograd without inductor's C++ builds
+}
+COMMAND = command_line(together=FIVE, settings=SETTINGS, add=ADD)
+
+
+# Left out of the tests' runs (not of the table, which `slipstream compatibility` fills):
+# dynamo traces a timm model for 15-30 s per run on this project's CPU, about the whole
+# matrix's budget; tests/algorithms/test_torch_compile.py covers it alone.
+SLOW = ("torch_compile",)
+
+
+def classes(*, tested: bool = False) -> dict:
+    """Every installed algorithm and the example; ``tested``: those the tests run."""
+    extra = {}
+    for spec in ADD:
+        path, _, attr = spec.partition(":")
+        cls = load_file_plugin(f"{ROOT / path}:{attr}")
+        extra[cls.name] = cls
+    found = load_classes(None, extra)
+    return {k: v for k, v in found.items() if not (tested and k in SLOW)}
+
+
+def _all(values, what: str) -> str | None:
+    return None if values and all(values) else what
+
+
+def _changed(seen: Observed) -> str | None:
+    soft = any(t != r for t, r in zip(seen.target_shapes, seen.raw_target_shapes, strict=True))
+    return None if soft or any(seen.inputs_changed) else "neither the inputs nor the targets changed"
+
+
+def _grows(seen: Observed) -> str | None:
+    sizes = [s[-1] for s in seen.input_shapes]
+    full = seen.raw_shapes[0][-1]
+    if not (sizes[0] < full and sizes[-1] == full and sizes == sorted(sizes)):
+        return f"input sizes {sizes}, loader's {full}"
+    return None if {s[-1] for s in seen.eval_shapes} == {full} else f"eval sizes {seen.eval_shapes}"
+
+
+def _smoothed(seen: Observed) -> str | None:
+    pairs = [(a, b) for a, b in zip(seen.losses, seen.plain_losses, strict=True) if not math.isnan(b)]
+    if not pairs:  # every batch mixed (soft targets): smoothing acts inside the mixed loss
+        return None
+    return None if any(abs(a - b) > 1e-3 for a, b in pairs) else "the loss is plain cross-entropy"
+
+
+def _clipped(seen: Observed) -> str | None:
+    limit = SETTINGS["grad_clipping"]["max_norm"]
+    return None if seen.grad_norms and max(seen.grad_norms) <= limit * 1.001 else f"norms {seen.grad_norms}"
+
+
+PROBES = {
+    "activation_checkpointing": lambda s: None if s.summary.get("activation_checkpointing") else "nothing wrapped",
+    "channels_last": lambda s: _all(s.inputs_channels_last, "inputs are not channels-last"),
+    "cutmix": _changed,
+    "ema": lambda s: None if s.summary.get("ema") else "no average kept",
+    "gpu_augmentation": lambda s: None if any(s.inputs_changed) else "no batch changed",
+    "grad_accumulation": lambda s: None if s.optimizer_steps * 2 == s.batches else f"{s.optimizer_steps} steps",
+    "grad_clipping": _clipped,
+    "image_size_curriculum": _grows,
+    "label_smoothing": _smoothed,
+    "locality_ffn": lambda s: None if len(s.final) > len(s.initial) else "no parameters added",
+    "matmul_precision": lambda s: _all([p == "high" for p in s.matmul_precisions], "precision not 'high'"),
+    "mixed_precision": lambda s: _all([d == torch.bfloat16 for d in s.output_dtypes], f"outputs {s.output_dtypes}"),
+    "mixup": _changed,
+    "stepwise_lr": lambda s: None if len(set(s.lrs)) > 1 else f"LR constant {set(s.lrs)}",
+    "torch_compile": lambda s: None if s.summary.get("compile_time_s") else "not compiled",
+}

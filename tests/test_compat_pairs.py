@@ -1,0 +1,36 @@
+"""The compatibility matrix, part 2: every pair of installed algorithms (one process),
+each with both plugins' probes, or refused by a declaration
+that names both. See test_compat_singles.py."""
+
+import pytest
+
+from compat_setup import DOC, FIVE, PROBES, SETTINGS, classes
+from slipstream.compat import WRAP_PLUGIN, cells_of, pair_cell, run_local
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    # Trained with both probes; the resume check is left to the CLI's run of the table
+    # (each plugin's own resume is checked alone, in part 1), to stay within the budget.
+    return run_local(classes(tested=True), tmp_path_factory.mktemp("compat"), five=FIVE, settings=SETTINGS,
+                     probes=PROBES, parts=("pairs",), resume=lambda c: False)
+
+
+def test_every_pair_works_or_is_refused_naming_both(matrix):
+    local = [n for n in matrix.names if n != WRAP_PLUGIN]
+    seen = 0
+    for i, a in enumerate(local):
+        for b in local[i + 1 :]:
+            cell = pair_cell(matrix, a, b)
+            assert cell is not None and cell.outcome != "failed", (a, b, cell)
+            if cell.outcome == "refused":
+                assert a in cell.detail and b in cell.detail and "\n" not in cell.detail, (a, b, cell)
+            seen += cell.outcome == "works"
+    assert seen >= len(local) * (len(local) - 1) // 2 - 10  # nearly all pairs train together
+
+
+def test_the_table_records_these_cells(matrix):
+    committed = cells_of(DOC.read_text())
+    pairs = {c.label: [cell.outcome, cell.detail] for c, cell in matrix.cells.items() if len(c.names) == 2}
+    assert {k: v for k, v in committed.items() if k in pairs} == pairs
+    assert set(pairs) <= set(committed), "regenerate docs/compatibility.md (command in its header)"
