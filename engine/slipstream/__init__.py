@@ -17,6 +17,8 @@ The public API, which plugins may import:
 - :func:`batch_seed` / :func:`batch_generator`: the random stream of one training
   batch of one rank (and, with ``stream``, of one consumer), for plugins that draw
   random numbers (same seed, same batches; bit-exact on resume).
+- :class:`Variant`: one way an algorithm can run, declared by
+  :meth:`Algorithm.variants` for measured ``auto`` (:mod:`slipstream.variants`).
 - :func:`parse_duration_option` parses a plugin's duration config key with an
   error that names the algorithm and the key.
 
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from .state import State, Timestamp, unwrap_model
     from .tracking import flatten, numbers
     from .trainer import Trainer
+    from .variants import Variant
 
 __version__ = "0.1.0"
 
@@ -70,6 +73,7 @@ _EXPORTS = {
     "parse_duration_option": "duration",
     "to_unit_float": "images",
     "unwrap_model": "state",
+    "Variant": "variants",
 }
 
 __all__ = [
@@ -86,6 +90,7 @@ __all__ = [
     "Timestamp",
     "Trainer",
     "TrainerOptions",
+    "Variant",
     "batch_generator",
     "batch_seed",
     "flatten",

@@ -23,7 +23,7 @@ from torch import nn
 from . import hookspecs
 from .algorithm import Algorithm
 from .callback import Callback
-from .checkpoint import checkpoint_payload, restore_checkpoint
+from .checkpoint import checkpoint_payload, load_checkpoint, restore_checkpoint
 from .dispatch import bind, bind_event
 from .distributed import init_distributed, resolve_device
 from .duration import Duration
@@ -63,6 +63,7 @@ from .services.divergence import DivergenceMonitor
 from .services.losses import TrainLosses
 from .services.target import check_target
 from .state import State, unwrap_model
+from .variants import choose_variants, print_choice
 
 
 class Trainer:
@@ -124,6 +125,9 @@ class Trainer:
         callbacks: Sequence[Callback | str] = (),
         best_metric: str | None = "accuracy",
         ddp: dict[str, Any] | None = None,
+        autotune: bool = True,
+        autotune_warmup: int = 1,
+        autotune_steps: int = 3,
     ) -> None:
         # One set-up for the Python API and the CLI (which passes the same options,
         # built from its config): validate, then threads, determinism and seeds.
@@ -146,6 +150,9 @@ class Trainer:
             on_nonfinite=on_nonfinite,
             best_metric=best_metric,
             ddp=ddp,
+            autotune=autotune,
+            autotune_warmup=autotune_warmup,
+            autotune_steps=autotune_steps,
         ).validate()
         self.target_accuracy = check_target(target_accuracy, stop_at_target)
         peak = parse_peak_tflops(peak_tflops)
@@ -397,10 +404,16 @@ class Trainer:
         # Told even when quiet: the user must learn that a second signal aborts.
         restore_signals = stop_on_signals(state, verbose=state.rank == 0)
         try:
+            payload = None
+            if self.load_path is not None:
+                payload = load_checkpoint(self.load_path, map_location=state.device)
+            self._choose_variants(payload)
             pm.hook.init(state=state)
             self._check_hooks()  # init may have registered helpers
             if self.load_path is not None:
-                restore_checkpoint(state, self.load_path, verbose=self.verbose, hook=self.pm.hook)
+                restore_checkpoint(
+                    state, self.load_path, verbose=self.verbose, hook=self.pm.hook, payload=payload
+                )
             self._wrap_distributed()
             self._bind_hooks()
             if state.rank == 0:
@@ -426,6 +439,43 @@ class Trainer:
         if self.verbose and state.stop_reason:
             print(f"slipstream: {state.stop_reason}", file=sys.stderr)
         return self.summary
+
+    def _choose_variants(self, payload: dict[str, Any] | None) -> None:
+        """Measured ``auto`` (`slipstream.variants`): each algorithm that declares
+        variants is told which to run before ``init``; a resumed run keeps the
+        checkpoint's choice. Every rank runs rank 0's choice."""
+        state = self.state
+        pinned = None
+        if payload is not None:
+            pinned = payload.get("variants")
+            pinned = dict(pinned) if isinstance(pinned, dict) else {}
+        record = choose_variants(
+            state,
+            self.algorithms,
+            model_name=str((self.config.get("model") or {}).get("name", "model")),
+            steps=self._defaults,
+            prepare=self.normalize.prepare,
+            move=self._to_device,
+            pinned=pinned,
+            measure_on=self.options.autotune,
+            warmup=self.options.autotune_warmup,
+            timed=self.options.autotune_steps,
+            write_cache=state.rank == 0,
+        )
+        if record is None:
+            return
+        if state.world_size > 1:
+            import torch.distributed as dist
+
+            shared = [record]
+            dist.broadcast_object_list(shared, src=0)
+            record = shared[0]
+            for algo in self.algorithms:
+                if algo.name in record["choice"]:
+                    algo.use_variant(record["choice"][algo.name])
+        state.summary["auto"] = record
+        if self.verbose:
+            print_choice(record)
 
     def _loop(self) -> None:
         while not self.state.is_done():
