@@ -20,7 +20,6 @@ from torch import nn
 
 from slipstream import Algorithm, State, Variant, hookimpl
 
-
 MODES = ("auto", "on")
 
 
