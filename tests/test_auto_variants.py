@@ -115,7 +115,7 @@ def test_measuring_leaves_the_run_bit_exact_and_the_cache_is_reused(tmp_path, fr
     assert s2["auto"]["choice"] == s1["auto"]["choice"]
     choice = s1["auto"]["choice"]
     assert choice["fused_kernel"] == "off"
-    forced = [ChannelsLast(ChannelsLastConfig(mode="on"))] if choice["channels_last"] == "nhwc" else []
+    forced = [ChannelsLast(ChannelsLastConfig(mode="always"))] if choice["channels_last"] == "nhwc" else []
     third, s3 = _fit(tmp_path, "forced", forced)
     assert "auto" not in s3  # explicit settings: nothing to measure
     assert torch.equal(rng_first[0], torch.get_rng_state()) and rng_first[1] == random.getstate()
@@ -143,7 +143,7 @@ def test_explicit_settings_and_autotune_off_measure_nothing(tmp_path, fresh_cach
     _, summary = _fit(
         tmp_path,
         "explicit",
-        [MixedPrecision(MixedPrecisionConfig(dtype="bf16")), ChannelsLast(ChannelsLastConfig(mode="on"))],
+        [MixedPrecision(MixedPrecisionConfig(dtype="bf16")), ChannelsLast(ChannelsLastConfig(mode="always"))],
         max_duration="1ba",
     )
     assert "auto" not in summary and summary["autocast_dtype"] == "bf16"
@@ -177,5 +177,5 @@ def test_mixed_precision_declares_only_where_the_device_has_a_reduced_precision(
 def test_bad_autotune_settings_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="autotune_steps"):
         _fit(tmp_path, "bad", [], autotune_steps=0)
-    with pytest.raises(ValueError, match="mode must be one of auto, on"):
-        ChannelsLastConfig(mode="yes")
+    with pytest.raises(ValueError, match="mode must be one of auto, always"):
+        ChannelsLastConfig(mode="on")

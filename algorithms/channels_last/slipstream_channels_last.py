@@ -20,7 +20,7 @@ from torch import nn
 
 from slipstream import Algorithm, State, Variant, hookimpl
 
-MODES = ("auto", "on")
+MODES = ("auto", "always")
 
 
 @dataclass
@@ -28,7 +28,7 @@ class ChannelsLastConfig:
     warn_without_conv: bool = True  # warn when the model has no 2-D convolution to speed up
     # auto: the engine times a few training steps of the run's own model in NHWC and in
     # NCHW at fit start and keeps the faster (trainer.autotune, docs/auto.md);
-    # on: always channels-last.
+    # always: channels-last whatever the measurement would say.
     mode: str = "auto"
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ from slipstream.plugins import build_config, discover
 
 CL = torch.channels_last
 # Always NHWC: these tests are about what the conversion does, not whether auto picks it.
-ON = ChannelsLastConfig(mode="on")
+ON = ChannelsLastConfig(mode="always")
 
 
 def _spatial_conv_weights(model: torch.nn.Module) -> list[torch.Tensor]:
