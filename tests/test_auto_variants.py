@@ -16,7 +16,7 @@ from helpers import tiny_loaders, tiny_model
 from slipstream import Algorithm, ConfigError, Trainer, Variant, hookimpl
 from slipstream.variants import cache_path, pick
 
-FAST = {"autotune_warmup": 1, "autotune_steps": 1}
+FAST = {"autotune_warmup": 1, "autotune_steps": 2}
 
 
 class Fused(Algorithm):
@@ -44,7 +44,7 @@ class Fused(Algorithm):
             torch.rand(1)
             random.random()
             a = torch.ones(256, 256)
-            for _ in range(10):
+            for _ in range(30):
                 a = a @ a / 256
         return (yield)
 

@@ -64,6 +64,8 @@ DEFAULT_TIMED_STEPS = 3
 # After the first timed round a combination this much slower than the best is dropped:
 # no noise on a shared machine makes up for it, and its steps cost the most.
 DROP_FACTOR = 1.5
+# From the second timed round on, a winner this far ahead ends the measurement early.
+CLEAR_FACTOR = 1.25
 
 
 @dataclass(frozen=True)
@@ -122,12 +124,17 @@ def pick(
         took = timings.get(combo_label(combo))
         if took is None:
             continue
-        cost = took
-        for plugin, variant in combo.items():
-            cost *= 1.0 + margins[plugin].get(variant, 0.0)
+        cost = took * _penalty(combo, margins)
         if cost < best_cost:
             best, best_cost = dict(combo), cost
     return best
+
+
+def _penalty(combo: Mapping[str, str], margins: Mapping[str, Mapping[str, float]]) -> float:
+    factor = 1.0
+    for plugin, variant in combo.items():
+        factor *= 1.0 + margins[plugin].get(variant, 0.0)
+    return factor
 
 
 # -- the cache -----------------------------------------------------------------------
@@ -322,10 +329,14 @@ def measure(
     prepare: Any,
     warmup: int = DEFAULT_WARMUP_STEPS,
     timed: int = DEFAULT_TIMED_STEPS,
-) -> dict[str, float]:
-    """The fastest of ``timed`` training steps of each combination (seconds), after
+    penalty: Mapping[str, float] | None = None,
+) -> dict[str, list[float]]:
+    """The times (seconds) of up to ``timed`` training steps of each combination, after
     ``warmup`` untimed ones, in interleaved rounds; a combination more than
-    :data:`DROP_FACTOR` slower than the best after the first timed round is dropped."""
+    :data:`DROP_FACTOR` slower than the best after the first timed round is dropped,
+    and the rounds end early once the choice is clear. ``penalty``: each
+    combination's ``1 + margin`` factor (:func:`pick`)."""
+    penalty = penalty or {}
     with warnings.catch_warnings():
         # The copies' set-up repeats what the run itself says at init.
         warnings.simplefilter("ignore")
@@ -340,7 +351,17 @@ def measure(
             if round_ == 0 and len(live) > 2:
                 fastest = min(min(t.times) for t in live.values())
                 live = {k: t for k, t in live.items() if min(t.times) <= DROP_FACTOR * fastest}
-    return {label: min(trial.times) for label, trial in trials.items()}
+            if round_ >= 1 and _clear(live, penalty):
+                break
+    return {label: list(trial.times) for label, trial in trials.items()}
+
+
+def _clear(live: Mapping[str, _Trial], penalty: Mapping[str, float]) -> bool:
+    """Whether, after two timed rounds or more, one combination (margins charged)
+    beats every other still timed by :data:`CLEAR_FACTOR`: more rounds would not
+    change the choice, only cost."""
+    costs = sorted(min(t.times) * penalty.get(k, 1.0) for k, t in live.items())
+    return len(costs) < 2 or costs[1] >= CLEAR_FACTOR * costs[0]
 
 
 def choose_variants(
@@ -395,20 +416,25 @@ def choose_variants(
             else:
                 products = itertools.product(*record["variants"].values())
                 combos = [dict(zip(declared, names, strict=True)) for names in products]
+                penalty = {combo_label(c): _penalty(c, margins) for c in combos}
                 with _KeepRandomStreams(state.train_loader):
                     seconds = measure(
-                        state, plugins, combos, batch, steps=steps, prepare=prepare, warmup=warmup, timed=timed
+                        state, plugins, combos, batch, steps=steps, prepare=prepare, warmup=warmup, timed=timed,
+                        penalty=penalty,
                     )
-                choice = pick(seconds, combos, margins)
-                timings_ms = {label: round(s * 1e3, 3) for label, s in seconds.items()}
+                fastest = {label: min(times) for label, times in seconds.items()}
+                choice = pick(fastest, combos, margins)
+                timings_ms = {label: round(t * 1e3, 3) for label, t in fastest.items()}
                 record.update(
                     method="measured",
                     timings_ms=timings_ms,
+                    timed_steps={label: len(times) for label, times in seconds.items()},
                     how=(
-                        f"{warmup} warm-up + {timed} timed training steps per combination "
+                        f"{warmup} warm-up + up to {timed} timed training steps per combination "
                         "(forward, loss, backward, optimizer step) on copies of the model and "
                         "optimizer with the run's first batch, rounds interleaved, fastest step kept; "
-                        f"a combination over {DROP_FACTOR}x the best after one round is dropped"
+                        f"a combination over {DROP_FACTOR}x the best after one round is dropped, and "
+                        f"the rounds end once one wins by {CLEAR_FACTOR}x (margins charged)"
                     ),
                     cache=str(path),
                 )
