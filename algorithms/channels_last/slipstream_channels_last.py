@@ -33,7 +33,9 @@ class ChannelsLastConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+            # YAML reads on/yes as true: say so rather than leave a puzzling 'True'.
+            hint = " (YAML reads on/off as true/false)" if str(self.mode) in ("True", "False") else ""
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}{hint}")
 
 
 def apply_channels_last(model: nn.Module) -> nn.Module:

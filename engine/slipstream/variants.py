@@ -466,12 +466,18 @@ def describe(record: Mapping[str, Any]) -> str:
     line = f"slipstream: auto: {choice} ({record['method']}"
     timings = record.get("timings_ms") or record.get("cached_timings_ms")
     if timings:
-        parts = ", ".join(f"{label} {ms:.1f} ms" for label, ms in sorted(timings.items(), key=lambda kv: kv[1]))
+        ordered = sorted(timings.items(), key=lambda kv: kv[1])
+        parts = ", ".join(f"{_short(label)} {ms:.1f} ms" for label, ms in ordered)
         line += f"; step {parts}"
     margins = record.get("margins") or {}
     if margins:
         line += "; " + ", ".join(f"{v} only if >{m:.0%} faster" for ms in margins.values() for v, m in ms.items())
     return line + f"; took {record['cost_s']:.2f} s, outside the run's clock)"
+
+
+def _short(label: str) -> str:
+    """``a=bf16,b=nhwc`` as ``bf16+nhwc`` (the choice before it names the plugins)."""
+    return "+".join(part.partition("=")[2] for part in label.split(","))
 
 
 def print_choice(record: Mapping[str, Any]) -> None:
