@@ -97,7 +97,7 @@ class TrainerConfig:
     # (docs/auto.md); false: no measurement, each plugin's fallback.
     autotune: bool = True
     autotune_warmup: int = 1  # untimed training steps per combination
-    autotune_steps: int = 3  # timed training steps per combination (the fastest counts)
+    autotune_steps: int = 2  # timed training steps per combination (the fastest counts)
 
 
 @dataclass

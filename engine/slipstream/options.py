@@ -70,7 +70,7 @@ class TrainerOptions:
     # plugin's fallback, unmeasured. Warm-up and timed training steps per combination.
     autotune: bool = True
     autotune_warmup: int = 1
-    autotune_steps: int = 3
+    autotune_steps: int = 2
 
     @classmethod
     def from_config(cls, trainer: Mapping[str, Any], **extra: Any) -> TrainerOptions:

@@ -127,7 +127,7 @@ class Trainer:
         ddp: dict[str, Any] | None = None,
         autotune: bool = True,
         autotune_warmup: int = 1,
-        autotune_steps: int = 3,
+        autotune_steps: int = 2,
     ) -> None:
         # One set-up for the Python API and the CLI (which passes the same options,
         # built from its config): validate, then threads, determinism and seeds.

@@ -60,7 +60,7 @@ __all__ = [
 
 CACHE_FILE = Path("slipstream") / "auto_variants.json"
 DEFAULT_WARMUP_STEPS = 1
-DEFAULT_TIMED_STEPS = 3
+DEFAULT_TIMED_STEPS = 2
 # After the first timed round a combination this much slower than the best is dropped:
 # no noise on a shared machine makes up for it, and its steps cost the most.
 DROP_FACTOR = 1.5
@@ -266,6 +266,7 @@ class _Trial:
             optimizer=optimizer,
             max_duration=state.max_duration,
             device=state.device,
+            train_loader=state.train_loader,
             loss_fn=state.loss_fn,
             seed=state.seed,
             config=state.config,
@@ -417,11 +418,23 @@ def choose_variants(
                 products = itertools.product(*record["variants"].values())
                 combos = [dict(zip(declared, names, strict=True)) for names in products]
                 penalty = {combo_label(c): _penalty(c, margins) for c in combos}
-                with _KeepRandomStreams(state.train_loader):
-                    seconds = measure(
-                        state, plugins, combos, batch, steps=steps, prepare=prepare, warmup=warmup, timed=timed,
-                        penalty=penalty,
-                    )
+                try:
+                    with _KeepRandomStreams(state.train_loader):
+                        seconds = measure(
+                            state, plugins, combos, batch, steps=steps, prepare=prepare, warmup=warmup, timed=timed,
+                            penalty=penalty,
+                        )
+                except torch.OutOfMemoryError:
+                    # One copy of the model and optimizer per combination did not fit
+                    # beside the run's own: run the fallbacks rather than fail.
+                    seconds = None
+                finally:
+                    if state.device.type == "cuda":
+                        torch.cuda.empty_cache()  # the copies' memory, back for the run
+            if choice is None and seconds is None:
+                choice = fallback
+                record["method"] = "fallback (out of device memory while measuring the copies)"
+            elif choice is None:
                 fastest = {label: min(times) for label, times in seconds.items()}
                 choice = pick(fastest, combos, margins)
                 timings_ms = {label: round(t * 1e3, 3) for label, t in fastest.items()}
