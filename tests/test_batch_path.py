@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from slipstream_channels_last import ChannelsLast
+from slipstream_channels_last import ChannelsLast, ChannelsLastConfig
 from slipstream_gpu_augmentation import GpuAugmentation
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -98,7 +98,7 @@ def test_uint8_reaches_batch_start_from_every_built_in_dataset(tmp_path, monkeyp
 @pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "nchw"])
 def test_the_model_receives_normalised_float_in_the_format_it_wants(tmp_path, channels_last):
     probe, seen = recorder()
-    algorithms = [ChannelsLast(), probe] if channels_last else [probe]
+    algorithms = [ChannelsLast(ChannelsLastConfig(mode="always")), probe] if channels_last else [probe]
     train_loader, eval_loader = synthetic_loaders()
     mean, std = DATASET_STATS["synthetic"]
     fit(tmp_path, train_loader, algorithms, eval_data=eval_loader, normalize=(mean, std),

@@ -18,12 +18,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from slipstream import Algorithm, State, hookimpl
+from slipstream import Algorithm, State, Variant, hookimpl
+
+MODES = ("auto", "always")
 
 
 @dataclass
 class ChannelsLastConfig:
     warn_without_conv: bool = True  # warn when the model has no 2-D convolution to speed up
+    # auto: the engine times a few training steps of the run's own model in NHWC and in
+    # NCHW at fit start and keeps the faster (trainer.autotune, docs/auto.md);
+    # always: channels-last whatever the measurement would say.
+    mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            # YAML reads on/yes as true: say so rather than leave a puzzling 'True'.
+            hint = " (YAML reads on/off as true/false)" if str(self.mode) in ("True", "False") else ""
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}{hint}")
 
 
 def apply_channels_last(model: nn.Module) -> nn.Module:
@@ -77,8 +89,17 @@ class ChannelsLast(Algorithm):
         super().__init__(config)
         self.active = False
 
+    def variants(self, state: State) -> list[Variant]:
+        """mode auto on a model with 2-D convolutions: NHWC (the fallback) or NCHW,
+        whichever trains the run's step faster. Same values either way: no margin."""
+        if self.config.mode != "auto" or not conv2d_layers(state.unwrapped_model):
+            return []
+        return [Variant("nhwc"), Variant("nchw")]
+
     @hookimpl
     def init(self, state: State) -> None:
+        if self.variant == "nchw" and self.config.mode == "auto":
+            return  # NCHW was faster for this model here: the engine's auto line says so
         convs = conv2d_layers(state.unwrapped_model)
         if not convs:
             if self.config.warn_without_conv:

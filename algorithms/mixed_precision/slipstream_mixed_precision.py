@@ -17,10 +17,21 @@ from typing import Any
 
 import torch
 
-from slipstream import Algorithm, ConfigError, State, check_plugin_options, check_value, hookimpl, plugin_option
+from slipstream import (
+    Algorithm,
+    ConfigError,
+    State,
+    Variant,
+    check_plugin_options,
+    check_value,
+    hookimpl,
+    plugin_option,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CHOICES = ("auto", *DTYPES)
+# dtype auto: a reduced precision changes the numerics, so it must win clearly.
+REDUCED_MARGIN = 0.10
 
 
 @dataclass
@@ -28,7 +39,10 @@ class MixedPrecisionConfig:
     # "auto": the reduced precision the device computes natively: on CUDA bf16 where
     # torch.cuda.is_bf16_supported(), fp16 with loss scaling otherwise; on a CPU bf16
     # where it has bf16 units (AVX-512 BF16 / AMX), full precision (no autocast) where
-    # it has none, because emulated bf16 is far slower than fp32 there.
+    # it has none, because emulated bf16 is far slower than fp32 there. Where the device
+    # has a reduced precision, the engine times a few training steps of the run's own
+    # model in it and in fp32 at fit start and keeps it only where it is more than
+    # REDUCED_MARGIN faster (trainer.autotune, docs/auto.md).
     dtype: str = plugin_option("auto", choices=CHOICES)
     # fp16: warn (and say so in summary.json) when the GradScaler skips this many
     # optimizer steps in a row. A healthy run skips a few at the start while the
@@ -114,14 +128,35 @@ class MixedPrecision(Algorithm):
 
     # -- set-up ----------------------------------------------------------------------
 
+    def variants(self, state: State) -> list[Variant]:
+        """dtype auto on a device with a native reduced precision: that precision
+        (the fallback, taken only where more than 10 % faster) or fp32. Nothing to
+        choose for an explicit dtype, nor on a CPU without bf16 units (emulated bf16
+        is many times slower: fp32 without measuring)."""
+        if self.config.dtype != "auto":
+            return []
+        try:
+            reduced = resolve_dtype("auto", state.device)
+        except ValueError:
+            return []
+        if reduced == torch.float32:
+            return []
+        return [Variant(dtype_name(reduced), margin=REDUCED_MARGIN), Variant("fp32")]
+
     @hookimpl
     def init(self, state: State) -> None:
+        measured = self.config.dtype == "auto" and self.variant is not None
         try:
-            self.dtype = resolve_dtype(self.config.dtype, state.device)
+            if measured:
+                self.dtype = DTYPES.get(self.variant, torch.float32)
+            else:
+                self.dtype = resolve_dtype(self.config.dtype, state.device)
         except ValueError as exc:
             raise ConfigError(f"algorithms.mixed_precision: {exc}") from None
         self.device_type = state.device.type
         state.summary["autocast_dtype"] = dtype_name(self.dtype)
+        if self.dtype == torch.float32 and measured:
+            return  # fp32 was faster on this model here: the engine's auto line says so
         if self.dtype == torch.float32:
             # auto on a CPU without bf16 units: the fastest precision here is fp32.
             warnings.warn(

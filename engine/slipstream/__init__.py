@@ -21,6 +21,8 @@ The public API, which plugins may import:
   whole number, one of ...), :func:`check_plugin_options` applies the rules (first
   thing in the config's ``__post_init__``) and :func:`check_value` one rule, for a
   functional API.
+- :class:`Variant`: one way an algorithm can run, declared by
+  :meth:`Algorithm.variants` for measured ``auto`` (:mod:`slipstream.variants`).
 - :func:`parse_duration_option` parses a plugin's duration config key with an
   error that names the algorithm and the key.
 
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from .state import State, Timestamp, unwrap_model
     from .tracking import flatten, numbers
     from .trainer import Trainer
+    from .variants import Variant
 
 __version__ = "0.1.0"
 
@@ -79,6 +82,7 @@ _EXPORTS = {
     "requested_impl": "optim",
     "to_unit_float": "images",
     "unwrap_model": "state",
+    "Variant": "variants",
 }
 
 __all__ = [
@@ -95,6 +99,7 @@ __all__ = [
     "Timestamp",
     "Trainer",
     "TrainerOptions",
+    "Variant",
     "batch_generator",
     "check_plugin_options",
     "check_value",

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 from .plugin import Plugin
+
+if TYPE_CHECKING:
+    from .state import State
+    from .variants import Variant
 
 
 class Algorithm(Plugin):
@@ -22,9 +27,32 @@ class Algorithm(Plugin):
 
     Hooks are plain methods decorated with :data:`slipstream.hookimpl`. State that
     must survive a checkpoint goes through ``state_dict`` / ``load_state_dict``.
+
+    Measured ``auto`` (:mod:`slipstream.variants`): an algorithm whose setting leaves
+    a choice the run's own step should decide (bf16 or fp32, NHWC or NCHW, a fused
+    kernel or not) returns its options from :meth:`variants`; the engine times them on
+    copies at fit start and calls :meth:`use_variant` with the winner before ``init``.
     """
 
     kind: ClassVar[str] = "algorithm"
     runs_after: ClassVar[tuple[str, ...]] = ()
     runs_before: ClassVar[tuple[str, ...]] = ()
     conflicts_with: ClassVar[tuple[str, ...] | dict[str, str]] = ()
+
+    # The variant the engine chose for this run (None: nothing was chosen, e.g. the
+    # plugin runs outside a Trainer; :meth:`variants`' first is then the fallback).
+    variant: str | None = None
+
+    def variants(self, state: State) -> Sequence[Variant | str]:
+        """The variants this algorithm can run in on this run (``state`` has the
+        device, model and optimizer; ``init`` has not run), the first its fallback
+        where nothing is measured. Empty (the default) or one variant: nothing to
+        choose, as where an explicit setting fixes it. A :class:`~slipstream.variants.Variant`
+        with a ``margin`` is taken only where it is that much faster."""
+        del state
+        return ()
+
+    def use_variant(self, name: str) -> None:
+        """Told by the engine before ``init``: run as variant ``name`` (one of
+        :meth:`variants`' names). Stored in :attr:`variant`; override to do more."""
+        self.variant = name

@@ -216,6 +216,10 @@ def checkpoint_payload(
         "plugins": plugins,
         "timestamp": state.timestamp.state_dict(),
         "rng": rng_state(),
+        # The variant each measured-auto plugin ran in: a resumed run keeps it.
+        "variants": {
+            a.name: a.variant for a in state.algorithms if getattr(a, "variant", None) is not None
+        },
         "config": state.config,
         "world_size": state.world_size,
         "versions": library_versions(),
@@ -384,15 +388,22 @@ def _state_dicts(state: State, hook: Any) -> dict[str, Any]:
 
 
 def restore_checkpoint(
-    state: State, path: str | Path, *, verbose: bool = False, hook: Any = None
+    state: State,
+    path: str | Path,
+    *,
+    verbose: bool = False,
+    hook: Any = None,
+    payload: Mapping[str, Any] | None = None,
 ) -> None:
     """Load the checkpoint at ``path`` into ``state``: model, optimizer, schedulers,
     the state of each plugin of this run, timestamp and random generators. Raises
     CheckpointError when the model or optimizer does not fit it. ``hook`` is the run's
     hook relay: its ``load_state_dicts`` step loads the model and optimizer (and a
-    sharded checkpoint is read into the shapes its ``state_dicts`` step gives)."""
+    sharded checkpoint is read into the shapes its ``state_dicts`` step gives).
+    ``payload``: the checkpoint already read by :func:`load_checkpoint` (not read again)."""
     path = Path(path)
-    payload = load_checkpoint(path, map_location=state.device)
+    if payload is None:
+        payload = load_checkpoint(path, map_location=state.device)
     # torch loads another optimizer's state without a word and fails at the
     # first step, so the class is compared first (older checkpoints lack it).
     saved_class = payload.get("optimizer_class")

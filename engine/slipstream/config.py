@@ -115,6 +115,12 @@ class TrainerConfig:
     # None: probed once per machine and cached.
     peak_tflops: Optional[Any] = None
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    # Measured auto: time the variants plugins declare (mixed_precision dtype auto: bf16
+    # or fp32; channels_last mode auto: NHWC or NCHW) at fit start, cached per machine
+    # (docs/auto.md); false: no measurement, each plugin's fallback.
+    autotune: bool = True
+    autotune_warmup: int = 1  # untimed training steps per combination
+    autotune_steps: int = 2  # timed training steps per combination (the fastest counts)
 
 
 @dataclass

@@ -74,6 +74,12 @@ class TrainerOptions:
     # DistributedDataParallel options of the default wrap (several processes only):
     # bucket_cap_mb, static_graph, find_unused_parameters.
     ddp: Mapping[str, Any] | None = None
+    # Measured auto (slipstream.variants): the variants plugins declare (bf16 or fp32,
+    # NHWC or NCHW) are timed at fit start, or taken from the cache; false: each
+    # plugin's fallback, unmeasured. Warm-up and timed training steps per combination.
+    autotune: bool = True
+    autotune_warmup: int = 1
+    autotune_steps: int = 2
 
     @classmethod
     def from_config(cls, trainer: Mapping[str, Any], **extra: Any) -> TrainerOptions:
@@ -106,6 +112,10 @@ class TrainerOptions:
         check_on_nonfinite(self.on_nonfinite)
         check_best_metric(self.best_metric)
         self.ddp = check_ddp_options(self.ddp, f"{prefix}ddp")
+        if not isinstance(self.autotune, bool):
+            raise ConfigError(f"{prefix}autotune must be true or false, got {self.autotune!r}")
+        _integer(self.autotune_warmup, f"{prefix}autotune_warmup", 0, "untimed steps per combination")
+        _integer(self.autotune_steps, f"{prefix}autotune_steps", 1, "timed steps per combination")
         if self.run_dir is not None:
             check_output_dir(Path(self.run_dir), f"{prefix}run_dir")
         self._check_loading(prefix)

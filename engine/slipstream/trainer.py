@@ -70,6 +70,7 @@ from .services.losses import TrainLosses
 from .services.summary import resume_summary
 from .services.target import check_target
 from .state import State, unwrap_model
+from .variants import choose_variants, print_choice
 
 
 class Trainer:
@@ -143,6 +144,9 @@ class Trainer:
         load_weights_only: bool = False,
         load_ignore_keys: Sequence[str] = (),
         load_weights: str = "model",
+        autotune: bool = True,
+        autotune_warmup: int = 1,
+        autotune_steps: int = 2,
     ) -> None:
         # One set-up for the Python API and the CLI (which passes the same options,
         # built from its config): validate, then threads, determinism and seeds.
@@ -169,6 +173,9 @@ class Trainer:
             load_weights_only=load_weights_only,
             load_ignore_keys=load_ignore_keys,
             load_weights=load_weights,
+            autotune=autotune,
+            autotune_warmup=autotune_warmup,
+            autotune_steps=autotune_steps,
         ).validate()
         self.target_accuracy = check_target(target_accuracy, stop_at_target)
         peak = parse_peak_tflops(peak_tflops)
@@ -463,6 +470,12 @@ class Trainer:
         # Told even when quiet: the user must learn that a second signal aborts.
         restore_signals = stop_on_signals(state, verbose=state.rank == 0)
         try:
+            # A real resume reads the checkpoint once (it pins the variants); loading
+            # weights only is a new run, which measures its own.
+            payload = None
+            if self.load_path is not None and not self.weights_only:
+                payload = load_checkpoint(self.load_path, map_location=state.device)
+            self._choose_variants(payload)
             pm.hook.init(state=state)
             self._check_hooks()  # init may have registered helpers
             if self.load_path is not None and self.weights_only:
@@ -474,7 +487,9 @@ class Trainer:
                     verbose=self.verbose,
                 )
             elif self.load_path is not None:
-                restore_checkpoint(state, self.load_path, verbose=self.verbose, hook=self.pm.hook)
+                restore_checkpoint(
+                    state, self.load_path, verbose=self.verbose, hook=self.pm.hook, payload=payload
+                )
                 # The records before the checkpoint are in the log of the run that wrote it.
                 written_in = self.load_path.parent.parent if self.load_path.parent.name == "checkpoints" else None
                 if written_in is not None:
@@ -506,6 +521,43 @@ class Trainer:
         if self.verbose and state.stop_reason:
             print(f"slipstream: {state.stop_reason}", file=sys.stderr)
         return self.summary
+
+    def _choose_variants(self, payload: dict[str, Any] | None) -> None:
+        """Measured ``auto`` (`slipstream.variants`): each algorithm that declares
+        variants is told which to run before ``init``; a resumed run keeps the
+        checkpoint's choice. Every rank runs rank 0's choice."""
+        state = self.state
+        pinned = None
+        if payload is not None:
+            pinned = payload.get("variants")
+            pinned = dict(pinned) if isinstance(pinned, dict) else {}
+        record = choose_variants(
+            state,
+            self.algorithms,
+            model_name=str((self.config.get("model") or {}).get("name", "model")),
+            steps=self._defaults,
+            prepare=self.normalize.prepare,
+            move=self._to_device,
+            pinned=pinned,
+            measure_on=self.options.autotune,
+            warmup=self.options.autotune_warmup,
+            timed=self.options.autotune_steps,
+            write_cache=state.rank == 0,
+        )
+        if record is None:
+            return
+        if state.world_size > 1:
+            import torch.distributed as dist
+
+            shared = [record]
+            dist.broadcast_object_list(shared, src=0)
+            record = shared[0]
+            for algo in self.algorithms:
+                if algo.name in record["choice"]:
+                    algo.use_variant(record["choice"][algo.name])
+        state.summary["auto"] = record
+        if self.verbose:
+            print_choice(record)
 
     def _loop(self) -> None:
         while not self.state.is_done():

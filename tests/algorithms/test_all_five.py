@@ -40,7 +40,9 @@ def run(tmp_path, algorithms: str, overrides: list[str] = ()) -> dict[str, list]
     def inputs(state):
         seen["inputs"].append(state.batch[0].detach().clone())
 
-    cfg = build_config(None, algorithms, [*TINY, *overrides, f"trainer.run_dir={tmp_path / 'run'}"])
+    # Unmeasured auto (each plugin's fallback: bf16 where native, NHWC): every effect shows.
+    where = [f"trainer.run_dir={tmp_path / 'run'}", "trainer.autotune=false"]
+    cfg = build_config(None, algorithms, [*TINY, *overrides, *where])
     trainer = build_trainer(cfg, verbose=False)
     # The engine normalises every batch after batch_start; compare like with like.
     def normalize(x):

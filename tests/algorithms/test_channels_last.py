@@ -21,6 +21,8 @@ from slipstream import Algorithm, ConfigError, Trainer, hookimpl
 from slipstream.plugins import build_config, discover
 
 CL = torch.channels_last
+# Always NHWC: these tests are about what the conversion does, not whether auto picks it.
+ON = ChannelsLastConfig(mode="always")
 
 
 def _spatial_conv_weights(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -81,7 +83,7 @@ class ResizeLast(Algorithm):
 def test_model_and_inputs_channels_last_when_on(tmp_path):
     record = Record()
     normalize = ((0.5,) * 3, (0.25,) * 3)
-    train(tmp_path, [ChannelsLast(), record], max_duration="3ba", normalize=normalize)
+    train(tmp_path, [ChannelsLast(ON), record], max_duration="3ba", normalize=normalize)
     assert record.weights_cl and all(record.weights_cl)
     assert not any(record.weights_nchw)
     assert all(record.inputs_cl)  # also after the engine's normalisation
@@ -109,7 +111,7 @@ def test_channels_last_after_a_resize_anywhere_in_the_order(tmp_path, resize):
     # The engine writes the batch in the model's format after every batch_start
     # implementation, so where a transform sits does not matter.
     record = Record()
-    train(tmp_path, [ChannelsLast(), resize(), record], max_duration="2ba")
+    train(tmp_path, [ChannelsLast(ON), resize(), record], max_duration="2ba")
     assert record.input_sizes == [24, 24]
     assert all(record.inputs_cl)
 
@@ -121,7 +123,7 @@ def test_the_plugin_sets_the_input_memory_format_and_converts_no_batch(tmp_path)
     probe.callbacks["batch_start"] = lambda s: seen_at_batch_start.append(
         s.batch[0].is_contiguous()
     )
-    train(tmp_path, [ChannelsLast(), probe], max_duration="2ba", eval_interval=None)
+    train(tmp_path, [ChannelsLast(ON), probe], max_duration="2ba", eval_interval=None)
     assert formats == [CL]
     assert all(seen_at_batch_start)  # NCHW as collated: the engine converts later
 
@@ -130,7 +132,7 @@ def test_vit_warns_and_trains(tmp_path):
     record = Record()
     with pytest.warns(UserWarning, match="patch embeddings"):
         vit = tiny_model("vit")
-        trainer = train(tmp_path, [ChannelsLast(), record], model=vit, max_duration="2ba")
+        trainer = train(tmp_path, [ChannelsLast(ON), record], model=vit, max_duration="2ba")
     assert trainer.summary["batches"] == 2 and trainer.summary["accuracy"] is not None
 
 
@@ -138,7 +140,7 @@ def test_model_without_conv_warns_and_is_left_alone(tmp_path):
     record = Record()
     mlp = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4))
     with pytest.warns(UserWarning, match="no 2-D convolution"):
-        trainer = train(tmp_path, [ChannelsLast(), record], model=mlp, max_duration="2ba")
+        trainer = train(tmp_path, [ChannelsLast(ON), record], model=mlp, max_duration="2ba")
     assert trainer.summary["batches"] == 2
     assert not any(record.inputs_cl)  # no pointless copy of every batch
 
@@ -160,7 +162,7 @@ def test_config_type_error_names_the_key():
 
 
 def test_checkpoint_resumes_and_loads_into_a_plain_model(tmp_path):
-    first = train(tmp_path, [ChannelsLast()], max_duration="4ba")
+    first = train(tmp_path, [ChannelsLast(ON)], max_duration="4ba")
     latest = first.run_dir / "checkpoints" / "latest.pt"
     record = Record()
     model = tiny_model()
@@ -171,7 +173,7 @@ def test_checkpoint_resumes_and_loads_into_a_plain_model(tmp_path):
         train_data=train_data,
         eval_data=eval_data,
         max_duration="6ba",
-        algorithms=[ChannelsLast(), record],
+        algorithms=[ChannelsLast(ON), record],
         run_dir=first.run_dir,
         device="cpu",
         load_path=latest,

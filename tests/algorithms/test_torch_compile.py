@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from slipstream_channels_last import ChannelsLast
+from slipstream_channels_last import ChannelsLast, ChannelsLastConfig
 from slipstream_torch_compile import (
     TorchCompile,
     TorchCompileConfig,
@@ -184,7 +184,8 @@ def test_with_channels_last_and_mixed_precision(tmp_path):
         weights_cl.append(conv.is_contiguous(memory_format=torch.channels_last))
 
     # Listed first, torch_compile still runs after the others at init.
-    trainer = fit(tmp_path, [eager(), mixed, ChannelsLast(), Probe(after_forward=seen)])
+    always = ChannelsLast(ChannelsLastConfig(mode="always"))  # NHWC whatever auto would measure
+    trainer = fit(tmp_path, [eager(), mixed, always, Probe(after_forward=seen)])
     order = [a.name for a in trainer.algorithms]
     assert order.index("torch_compile") > order.index("mixed_precision")
     assert order.index("torch_compile") > order.index("channels_last")

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from cuda_common import CUDA, fit_cuda, small_model
-from slipstream_channels_last import ChannelsLast
+from slipstream_channels_last import ChannelsLast, ChannelsLastConfig
 from slipstream_mixed_precision import MixedPrecision, MixedPrecisionConfig
 
 from helpers import Probe
@@ -129,7 +129,7 @@ def test_channels_last_weights_and_inputs_on_cudnn(tmp_path):
     first_conv.register_forward_hook(
         lambda _m, _i, out: seen["conv_out"].append(out.is_contiguous(memory_format=torch.channels_last))
     )
-    fit_cuda(tmp_path, [ChannelsLast(), Probe(before_forward=before_forward)], model=model, max_duration="2ba")
+    fit_cuda(tmp_path, [ChannelsLast(ChannelsLastConfig(mode="always")), Probe(before_forward=before_forward)], model=model, max_duration="2ba")
     assert seen["input"] == ("cuda", torch.float32, True)
     assert seen["weights"] == {True}
     # cuDNN kept the layout: the first convolution's output is channels-last too.
