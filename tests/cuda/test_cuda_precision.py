@@ -129,7 +129,8 @@ def test_channels_last_weights_and_inputs_on_cudnn(tmp_path):
     first_conv.register_forward_hook(
         lambda _m, _i, out: seen["conv_out"].append(out.is_contiguous(memory_format=torch.channels_last))
     )
-    fit_cuda(tmp_path, [ChannelsLast(ChannelsLastConfig(mode="always")), Probe(before_forward=before_forward)], model=model, max_duration="2ba")
+    always = ChannelsLast(ChannelsLastConfig(mode="always"))  # not measured: the probe must see NHWC
+    fit_cuda(tmp_path, [always, Probe(before_forward=before_forward)], model=model, max_duration="2ba")
     assert seen["input"] == ("cuda", torch.float32, True)
     assert seen["weights"] == {True}
     # cuDNN kept the layout: the first convolution's output is channels-last too.
