@@ -333,6 +333,10 @@ def train_once(
         verbose=False,
         device="cpu",
         threads=1,  # tiny tensors: more threads only contend
+        # Each plugin's default variant (the effect the probes look for), not a timed
+        # choice: the matrix checks how plugins combine, and timing 4-batch runs on
+        # a shared machine would make the cells depend on its load.
+        autotune=False,
         installed=_installed(),
     )
     trainer.pm.register(_Recorder(seen, trainer.normalize), name=_Recorder.name)
