@@ -681,7 +681,7 @@ def render(matrix: Matrix, command: str) -> str:
         "",
         f"Each combination trains {BATCHES} batches of {BATCH} synthetic images on a tiny timm model "
         f"(`test_resnet` at {CNN_IMAGE_SIZE} px, the CNN, or `test_vit` at {IMAGE_SIZE} px, the ViT), "
-        "on the CPU, seeded. It **works** when "
+        "on the CPU, seeded, with `trainer.autotune` off (each plugin runs its default variant). It **works** when "
         "the losses are finite, each plugin's probe sees its effect (the test suite's probes: autocast "
         "dtype, channels-last inputs, LR moving within the epoch, input size, augmented batch, ...), and "
         "the checkpoint taken after batch 2 resumes to the same final weights bit for bit. **refused** is "
