@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.cfg $(PLUGINS)
+$(STAMP): Makefile pyproject.toml setup.cfg $(PLUGINS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade --quiet "pip>=23" "setuptools>=64" wheel
 	$(BIN)/python -m pip install --quiet -e ".[dev,sweep,onnx]" $(foreach p,$(PLUGINS),-e $(dir $(p)))
