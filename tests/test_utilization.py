@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -350,3 +351,24 @@ def test_peak_memory_is_each_runs_own(tmp_path: Path) -> None:
     assert big.summary["peak_memory_mb"] >= 120
     # Measured from its own start: the earlier run's peak in this process does not count.
     assert small.summary["peak_memory_mb"] < 60
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the per-run reset needs Linux")
+def test_earlier_garbage_freed_during_a_run_does_not_hide_its_growth(tmp_path: Path) -> None:
+    class Cycle:  # garbage only the cyclic collector frees, holding 128 MiB
+        def __init__(self) -> None:
+            self.me, self.data = self, torch.ones(32 * 2**20)
+
+    earlier = Cycle()
+    gc.collect()  # survived a full collection: in the oldest generation, as a past run's objects are
+    del earlier
+    held: list[torch.Tensor] = []
+
+    def collect_then_allocate(state) -> None:
+        if not held:
+            gc.collect()  # were the earlier cycle freed here, the run's growth would read ~0
+            held.append(torch.ones(24 * 2**20))  # 96 MiB, every page touched
+
+    run = train(tmp_path, [Probe(batch_end=collect_then_allocate)], model=conv_net(), peak_tflops=1.0)
+    assert run.summary["peak_memory_mb"] >= 90
+    assert gc.get_freeze_count() == 0  # what the run held back is collectable again
