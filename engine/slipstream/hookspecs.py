@@ -24,7 +24,11 @@ can either
   ``backward``). Wrappers compose: any number of plugins may wrap the same step; or
 * *replace* it with a plain implementation that returns a value (a GradScaler's
   ``scale(loss).backward()``). Two plugins replacing the same step is an error at
-  start-up that names both, because only one of them could ever run.
+  start-up that names both, because only one of them could ever run. A replacing
+  implementation that leaves the step to the engine in some runs (no GradScaler
+  under bf16) returns :data:`NOT_MINE`; one that returns ``None`` is an error naming
+  the plugin, since to pluggy ``None`` means "go on", and a forgotten ``return``
+  would run the step a second time in the engine's default.
 
 **Persistence** is not a hook: any plugin instance may define ``state_dict()`` and
 ``load_state_dict(state_dict)``; checkpoints store the result under the plugin's
@@ -163,6 +167,28 @@ if TYPE_CHECKING:
 PROJECT = "slipstream"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
+
+
+class _NotMine:
+    """The type of :data:`NOT_MINE`."""
+
+    _instance: _NotMine | None = None
+
+    def __new__(cls) -> _NotMine:  # one instance, also after copy or pickling
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __reduce__(self) -> str:
+        return "NOT_MINE"
+
+    def __repr__(self) -> str:
+        return "slipstream.NOT_MINE"
+
+
+# What a step implementation that replaces the engine's returns to leave this call
+# of the step to the implementations after it (in the end the engine's default).
+NOT_MINE = _NotMine()
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 # Names of the step hooks: those of the loop, in the order it calls them, then
