@@ -139,18 +139,18 @@ def test_should_step_gates_the_optimizer_and_its_events(tmp_path):
     assert trainer.state.timestamp.optimizer_steps == 2
 
 
-def test_unimplemented_hooks_are_skipped_or_bound_to_a_cheap_noop(tmp_path):
+def test_unimplemented_hooks_are_skipped_or_do_nothing(tmp_path):
     trainer = train(tmp_path, [], max_duration="1ba", eval_interval=None)
-    # A per-batch event nobody implements is None, which the loop skips; others
-    # (fired once a run or an epoch) are a no-op.
+    state = trainer.state
+    # A per-batch event nobody implements is None (Trainer.hooks), which the loop
+    # skips; others (fired once a run or an epoch) may be called and do nothing.
     assert trainer.hooks.before_backward is None
-    assert trainer.hooks.epoch_start.__name__ == "_noop"
-    # Implemented ones are called directly (slipstream.dispatch), not through pluggy;
-    # with checkpoints and evaluation at whole epochs, only the metrics log acts at
-    # batch_end, and the loop, which ignores what events return, calls it itself.
-    assert trainer.hooks.batch_end == trainer.pm.get_plugin("engine.metrics").batch_end
-    # A step only the engine performs is its default's method itself.
-    assert trainer.hooks.forward == trainer.pm.get_plugin("engine.steps").forward
+    before = dict(vars(state.timestamp))
+    assert not trainer.hooks.epoch_start(state=state)
+    assert vars(state.timestamp) == before
+    # A step only the engine performs is the engine's default.
+    torch.testing.assert_close(trainer.hooks.forward(state=state), state.model(state.batch[0]))
+    assert trainer.hooks.should_step(state=state) is True
 
 
 def test_every_per_batch_event_reaches_a_plugin_that_implements_it(tmp_path):
