@@ -4,6 +4,8 @@ every JSON file of the run stays strict JSON."""
 import json
 import math
 import re
+import subprocess
+import sys
 import warnings
 from types import SimpleNamespace
 
@@ -110,21 +112,18 @@ def test_on_nonfinite_is_validated(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_the_cli_reports_a_learning_rate_of_1e12_as_diverged(tmp_path, capsys):
-    # The console script's entry point in this process: its return is the exit status.
-    from slipstream.cli import main
-
+def test_the_cli_reports_a_learning_rate_of_1e12_as_diverged(tmp_path):
     run_dir = tmp_path / "run"
-    code = main(
-        ["train", "--quiet", "model.name=test_resnet",
+    result = subprocess.run(
+        [sys.executable, "-m", "slipstream", "train", "--quiet", "model.name=test_resnet",
          "data.train_size=64", "data.val_size=32", "data.image_size=16", "data.batch_size=16",
          "trainer.threads=1", "trainer.max_duration=3ep", "trainer.checkpoint_interval=1ba",
-         "optimizer.name=sgd", "optimizer.lr=1e12", f"trainer.run_dir={run_dir}"]
-    )  # fmt: skip
-    err = capsys.readouterr().err
-    assert code == 3, err
-    assert "Traceback" not in err
-    assert re.search(r"diverged: the training loss is (nan|-?inf) at step \d+", err)
+         "optimizer.name=sgd", "optimizer.lr=1e12", f"trainer.run_dir={run_dir}"],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr
+    assert re.search(r"diverged: the training loss is (nan|-?inf) at step \d+", result.stderr)
     summary = strict_loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "diverged"
     records(run_dir)  # strict JSON, line by line
