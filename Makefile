@@ -5,6 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 PLUGINS := $(sort $(wildcard algorithms/*/pyproject.toml callbacks/*/pyproject.toml datasets/*/pyproject.toml))
 STAMP := $(VENV)/.installed
+# setuptools says "Editable installation." once per editable install (a page each, with
+# nothing to act on); pip passes this filter on to the build back-ends it starts.
+QUIET_PIP := PYTHONWARNINGS="ignore:Editable installation"
 # `make test` runs the suite on this many pytest-xdist workers, a test file per
 # worker (module fixtures run once); `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= 2
@@ -15,8 +18,8 @@ setup: $(STAMP)
 
 $(STAMP): Makefile pyproject.toml setup.cfg $(PLUGINS)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade --quiet "pip>=23" "setuptools>=64" wheel
-	$(BIN)/python -m pip install --quiet -e ".[dev,sweep,onnx]" $(foreach p,$(PLUGINS),-e $(dir $(p)))
+	$(QUIET_PIP) $(BIN)/python -m pip install --upgrade --quiet "pip>=23" "setuptools>=64" wheel
+	$(QUIET_PIP) $(BIN)/python -m pip install --quiet -e ".[dev,sweep,onnx]" $(foreach p,$(PLUGINS),-e $(dir $(p)))
 	touch $(STAMP)
 
 train: $(STAMP)

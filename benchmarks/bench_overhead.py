@@ -33,6 +33,16 @@ with the quartiles of that ratio over chunks of 100 steps:
                          `for x, y in loader: ...` against the Trainer's, the
                          comparison the goal and the peers' figures make
 
+After the paired steps it prints **whole runs**, the reading a user sees and the one
+the peers' figures (Fabric 1.09, Ignite 1.11, Accelerate 1.24, Lightning 1.44, Composer
+2.52) were measured with: whole ``fit()`` calls (start-up, both epochs and the end of
+the run) against a whole hand-written loop, on the peers' anchor workload (a
+3072-32-10 MLP on 3x32x32 inputs, batch 32, a shuffled DataLoader, SGD with momentum,
+2 epochs of 200 steps), engine and loop alternated, the median of the ratios, bare and
+with the progress bar (``/work/shared/acceptance/08-engine-overhead`` measures the same).
+Goals: 1.03 bare, 1.05 with the bar. ``--fit-calls N`` sets the alternations (default 7,
+0 to skip).
+
 ``--whole-runs`` measures as before: whole loops, the hand-written one run before and
 after each repetition's Trainer runs, the median of the per-repetition ratios (their
 quartiles are the spread to trust; here it is several per cent).
@@ -42,6 +52,7 @@ quartiles are the spread to trust; here it is several per cent).
     .venv/bin/python benchmarks/bench_overhead.py --log-interval 1   # a metrics record every batch
     .venv/bin/python benchmarks/bench_overhead.py --opcodes   # the engine's Python per batch, counted
     .venv/bin/python benchmarks/bench_overhead.py --whole-runs [--steps 1000 --repeats 11]
+    .venv/bin/python benchmarks/bench_overhead.py --fit-calls 15   # more whole runs
     .venv/bin/python benchmarks/bench_overhead.py --quick
 """
 
@@ -353,6 +364,70 @@ def main_whole_runs(args, variants: dict[str, dict]) -> None:
         print(f"{name:<26} {1e6 * statistics.median(times):>9.1f} {statistics.median(r):>7.3f}   {quartiles} {label}")
 
 
+def anchor_setup() -> tuple[DataLoader, nn.Module, torch.optim.Optimizer]:
+    """The peers' anchor workload, as issue 8 states it."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6400, 3, 32, 32), torch.randint(0, 10, (6400,))
+    data = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3072, 32), nn.ReLU(), nn.Linear(32, 10))
+    return data, model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def anchor_hand_written(epochs: int = 2) -> float:
+    data, model, optimizer = anchor_setup()
+    loss_fn = nn.CrossEntropyLoss()
+    started = time.perf_counter()
+    for _ in range(epochs):
+        for x, y in data:
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+    return time.perf_counter() - started
+
+
+def anchor_fit(progress_bar: bool, epochs: int = 2) -> float:
+    """One whole ``fit()`` call, from its start to its summary."""
+    data, model, optimizer = anchor_setup()
+    with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as sink:
+        trainer = Trainer(
+            model=model,
+            optimizer=optimizer,
+            train_data=data,
+            max_duration=f"{epochs}ep",
+            run_dir=Path(tmp) / "run",
+            progress_bar=progress_bar,
+            checkpoint_interval=None,
+            eval_interval=None,
+            verbose=False,
+        )
+        if progress_bar:
+            trainer.pm.get_plugin("engine.progress").file = sink
+        started = time.perf_counter()
+        trainer.fit()
+        return time.perf_counter() - started
+
+
+def main_fit_calls(repeats: int, epochs: int = 2) -> None:
+    anchor_hand_written(epochs)  # warm-up: first-call costs belong to neither side
+    anchor_fit(False, epochs)
+    ratios: dict[str, list[float]] = {"bare": [], "+ progress bar": []}
+    for name, bar in (("bare", False), ("+ progress bar", True)):
+        for _ in range(repeats):
+            ratios[name].append(anchor_fit(bar, epochs) / anchor_hand_written(epochs))
+    print(
+        f"whole runs: fit() against a hand-written loop, the peers' anchor workload (3072-32-10 MLP, "
+        f"batch 32, {epochs} epochs of 200 steps), {repeats} alternations, {torch.get_num_threads()} thread(s)"
+    )
+    print(f"{'variant':<26} {'ratio':>7}   quartiles of the ratio   goal")
+    for (name, r), goal in zip(ratios.items(), (1.03, 1.05), strict=True):
+        r = sorted(r)
+        print(
+            f"{name:<26} {statistics.median(r):>7.3f}   {r[len(r) // 4]:.3f} - {r[(3 * len(r)) // 4]:.3f}"
+            f"          <= {goal}"
+        )
+
+
 def main_opcodes(args) -> None:
     """The engine's Python per batch, counted: opcode events (``sys.settrace``) in
     slipstream's own files over the Trainer's steps after warm-up, per function. Not a
@@ -405,6 +480,7 @@ def main() -> None:
     p.add_argument("--whole-runs", action="store_true", help="whole loops in turn instead of paired steps")
     p.add_argument("--log-interval", type=int, default=20, help="the Trainer's log_interval (default 20)")
     p.add_argument("--opcodes", action="store_true", help="count the engine's Python opcodes per batch (no timing)")
+    p.add_argument("--fit-calls", type=int, default=None, help="whole fit() calls per variant (default 7; 0: skip)")
     args = p.parse_args()
     # Paired: fewer, longer runs (each pair is its own comparison); whole runs: many.
     steps, warmup, repeats = (1000, 50, 11) if args.whole_runs else (3000, 100, 3)
@@ -426,6 +502,10 @@ def main() -> None:
             variants["services in the loop"] = {"progress_bar": False, "engine": ServicesInLoop}
             variants["hand-written batch"] = {"progress_bar": False, "engine": HandWrittenBatch}
     (main_whole_runs if args.whole_runs else main_paired)(args, variants)
+    fit_calls = args.fit_calls if args.fit_calls is not None else (3 if args.quick else 7)
+    if fit_calls > 0:
+        print()
+        main_fit_calls(fit_calls, epochs=1 if args.quick else 2)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,20 @@
 """The command line, run as a user runs it: a subprocess, exit codes, messages,
-and no traceback for a user's mistake."""
+and no traceback for a user's mistake. Tests of what a command says and writes (not of
+how the process starts or exits) call its entry point in-process, `in_process`, which
+returns the same exit code and output without a second interpreter importing torch
+(a few seconds of CPU each)."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+
+from slipstream.cli import main
 
 TINY = [
     "model.name=test_resnet",
@@ -26,6 +34,25 @@ def slipstream(*args, cwd=None, env=None):
         cwd=cwd,
         env={**os.environ, **(env or {})},
     )
+
+
+def in_process(*args):
+    """``slipstream ARGS`` through the console script's entry point, in this process:
+    its exit code and what it printed. An exception the CLI lets escape fails the test."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse's own exits
+            code = exit_.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """Run from an empty directory: a default run directory would land there."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
 
 
 def assert_clean_error(result, *fragments):
@@ -111,9 +138,9 @@ def test_train_runs_and_writes_the_run_directory(tmp_path):
     assert "test_resnet" in config and "max_duration: 2ep" in config
 
 
-def test_unknown_algorithm(tmp_path):
+def test_unknown_algorithm(tmp_path, in_tmp):
     assert_clean_error(
-        slipstream(
+        in_process(
             "train", "--algorithms", "mixed_precison", *TINY, f"trainer.run_dir={tmp_path / 'r'}"
         ),
         "unknown algorithm 'mixed_precison'",
@@ -122,17 +149,17 @@ def test_unknown_algorithm(tmp_path):
     assert not (tmp_path / "r").exists()  # nothing written for a bad config
 
 
-def test_misspelled_config_key():
+def test_misspelled_config_key(in_tmp):
     assert_clean_error(
-        slipstream("train", "data.batchsize=3"),
+        in_process("train", "data.batchsize=3"),
         "unknown key 'data.batchsize'",
         "did you mean 'data.batch_size'",
     )
 
 
-def test_bad_duration():
+def test_bad_duration(in_tmp):
     assert_clean_error(
-        slipstream("train", "trainer.max_duration=forever"),
+        in_process("train", "trainer.max_duration=forever"),
         "trainer.max_duration",
         "is not a duration",
     )
@@ -141,19 +168,20 @@ def test_bad_duration():
 def test_broken_recipe_file(tmp_path):
     recipe = tmp_path / "broken.yaml"
     recipe.write_text("model: [unclosed\n")
-    assert_clean_error(slipstream("train", "--recipe", str(recipe)), "is not valid YAML")
+    assert_clean_error(in_process("train", "--recipe", str(recipe)), "is not valid YAML")
 
 
-def test_unknown_model_and_dataset(tmp_path):
-    assert_clean_error(slipstream("train", "model.name=resnet_19"), "unknown model 'resnet_19'")
-    assert_clean_error(slipstream("train", "data.name=mnist"), "mnist")
+def test_unknown_model_and_dataset(in_tmp):
+    assert_clean_error(in_process("train", "model.name=resnet_19"), "unknown model 'resnet_19'")
+    assert_clean_error(in_process("train", "data.name=mnist"), "mnist")
+    assert not list(in_tmp.iterdir())  # nothing written
 
 
 def test_corrupt_checkpoint(tmp_path):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"garbage")
     assert_clean_error(
-        slipstream(
+        in_process(
             "train", *TINY, f"trainer.load_path={bad}", f"trainer.run_dir={tmp_path / 'run'}"
         ),
         "corrupt or not a PyTorch checkpoint",
@@ -190,9 +218,9 @@ def test_a_plugin_that_fails_to_import(tmp_path):
     )
 
 
-def test_plot_and_compare(tmp_path):
+def test_plot_and_compare(tmp_path, in_tmp):
     for name in ("a", "b"):
-        result = slipstream(
+        result = in_process(
             "train",
             "--quiet",
             *TINY,
@@ -201,15 +229,15 @@ def test_plot_and_compare(tmp_path):
         )
         assert result.returncode == 0, result.stderr
     out = tmp_path / "plot.png"
-    result = slipstream("plot", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out))
+    result = in_process("plot", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out))
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    table = slipstream("compare", str(tmp_path / "a"), str(tmp_path / "b"))
+    table = in_process("compare", str(tmp_path / "a"), str(tmp_path / "b"))
     assert table.returncode == 0 and "a" in table.stdout and "b" in table.stdout
     assert "MFU %" in table.stdout and "time to" in table.stdout
-    chosen = slipstream("compare", str(tmp_path / "a"), "--target", "0.01", "--json")
+    chosen = in_process("compare", str(tmp_path / "a"), "--target", "0.01", "--json")
     assert json.loads(chosen.stdout)[0]["target_accuracy_pct"] == pytest.approx(1.0)
     assert_clean_error(
-        slipstream("compare", str(tmp_path / "a"), "--target", "60"), "fraction in (0, 1]"
+        in_process("compare", str(tmp_path / "a"), "--target", "60"), "fraction in (0, 1]"
     )
-    assert_clean_error(slipstream("compare", str(tmp_path)), str(tmp_path))
+    assert_clean_error(in_process("compare", str(tmp_path)), str(tmp_path))

@@ -4,16 +4,16 @@ normalisation after every batch transform, when state is loaded, what is trainin
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
-import pluggy
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import Probe, train
-from slipstream import Algorithm, PluginError, hookimpl
-from slipstream.hookspecs import PROJECT
+from helpers import Probe, tiny_loaders, tiny_model, train
+from slipstream import Algorithm, Callback, PluginError, Trainer, hookimpl, hookspecs
+from slipstream.hookspecs import STEPS
 
 NORMALIZE = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
 
@@ -170,53 +170,141 @@ def test_the_model_receives_normalised_inputs_and_without_normalize_raw_ones(tmp
 # -- pluggy's call order, as hookspecs.py writes it -----------------------------------------
 
 
-def test_call_order_tiers_as_documented():
-    spec = pluggy.HookspecMarker(PROJECT)
+def _documented_order() -> list[str]:
+    """The call order hookspecs.py writes: "algorithms", engine services, "callbacks"."""
+    doc = hookspecs.__doc__
+    block = doc[doc.index("    algorithms, in the resolved order") : doc.index("callbacks, in the order given")]
+    return ["algorithms", *re.findall(r"-> (engine\.\w+)", block), "callbacks"]
+
+
+def _documented_tiers() -> set[tuple[str, str, str]]:
+    return set(re.findall(r"``(engine\.\w+)``'s ``(\w+)`` is ``(tryfirst|trylast)``", hookspecs.__doc__))
+
+
+class Observer(Callback):
+    name = "observer"
+
+
+def _full_trainer(tmp_path) -> Trainer:
+    """A Trainer with every optional service the order names (target, progress bar),
+    two algorithms and two callbacks, built as users build one (not fitted)."""
+    first, second = Tagger("first", []), Tagger("second", [])
+    one, two = Observer(), Observer()
+    two.name = "observer_two"
+    model = tiny_model()
+    train_data, eval_data = tiny_loaders()
+    return Trainer(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+        train_data=train_data,
+        eval_data=eval_data,
+        max_duration="1ba",
+        algorithms=[first, second],
+        callbacks=[one, two],
+        target_accuracy=0.5,
+        progress_bar=True,
+        run_dir=tmp_path / "run",
+        device="cpu",
+        verbose=False,
+    )
+
+
+def test_documented_call_order_is_the_registration_order(tmp_path):
+    trainer = _full_trainer(tmp_path)
+    algorithms = {a.name for a in trainer.algorithms}
+    callbacks = [c.name for c in trainer.callbacks]
+    # pluggy calls plain implementations last registered first.
+    called = [name for name, _ in reversed(trainer.pm.list_name_plugin())]
+    grouped = []
+    for name in called:
+        label = "algorithms" if name in algorithms else "callbacks" if name in callbacks else name
+        if not grouped or grouped[-1] != label:
+            grouped.append(label)
+    assert grouped == _documented_order()
+    assert [n for n in called if n in algorithms] == ["first", "second"]  # the resolved order
+    assert [n for n in called if n in callbacks] == callbacks  # the order given
+
+
+def test_documented_tier_exceptions_are_the_services_marks(tmp_path):
+    trainer = _full_trainer(tmp_path)
+    marked = set()
+    for name, plugin in trainer.pm.list_name_plugin():
+        if not name.startswith("engine."):
+            continue
+        for caller in trainer.pm.get_hookcallers(plugin):
+            impl = next(i for i in caller.get_hookimpls() if i.plugin is plugin)
+            for tier in ("tryfirst", "trylast"):
+                if getattr(impl, tier):
+                    marked.add((name, caller.name, tier))
+    steps = {("engine.steps", step, "trylast") for step in STEPS}
+    assert steps <= marked  # "engine.steps provides every step as trylast"
+    assert marked - steps == _documented_tiers()
+
+
+class Ordered(Algorithm):
+    """At batch_end, logs its label; marked tryfirst, trylast or plain."""
+
+    def __init__(self, name, log, **marks):
+        super().__init__()
+        self.name = name
+
+        @hookimpl(**marks)
+        def batch_end(state):
+            log.append(name)
+
+        self.batch_end = batch_end
+
+
+class LogsBatchEnd(Callback):
+    def __init__(self, name, log):
+        super().__init__()
+        self.name, self.log = name, log
+
+    @hookimpl
+    def batch_end(self, state):
+        self.log.append(self.name)
+
+
+class SeesTheRecords(Callback):
+    """Observes, at eval_end and fit_end, what the engine recorded at that event."""
+
+    name = "sees_the_records"
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+        self.best_at_eval_end: list[bool] = []
+        self.summary_at_fit_end = False
+
+    @hookimpl
+    def batch_end(self, state):
+        self.log.append(self.name)
+
+    @hookimpl
+    def eval_end(self, state):
+        self.best_at_eval_end.append((state.run_dir / "checkpoints" / "best.pt").exists())
+
+    @hookimpl
+    def fit_end(self, state):
+        self.summary_at_fit_end = (state.run_dir / "summary.json").exists()
+
+
+def test_the_loop_calls_tiers_in_the_documented_order(tmp_path):
+    """Through the real loop (the bound hooks of slipstream.dispatch, not a test-built
+    plugin manager): tiers, the resolved order, and callbacks after the engine."""
     log: list[str] = []
-
-    class Specs:
-        @spec
-        def event(self):
-            pass
-
-    def plugin(label, **marks):
-        class Plain:
-            @hookimpl(**marks)
-            def event(self):
-                log.append(label)
-
-        class Wrapper:
-            @hookimpl(**marks)
-            def event(self):
-                log.append(f"{label}:before")
-                result = yield
-                log.append(f"{label}:after")
-                return result
-
-        return Wrapper() if marks.get("wrapper") else Plain()
-
-    pm = pluggy.PluginManager(PROJECT)
-    pm.add_hookspecs(Specs)
-    for label, marks in [
-        ("last1", {"trylast": True}),
-        ("plain1", {}),
-        ("first1", {"tryfirst": True}),
-        ("wrap1", {"wrapper": True}),
-        ("last2", {"trylast": True}),
-        ("plain2", {}),
-        ("first2", {"tryfirst": True}),
-        ("wrap2", {"wrapper": True}),
-        ("firstwrap", {"wrapper": True, "tryfirst": True}),
-    ]:
-        pm.register(plugin(label, **marks), name=label)
-    pm.hook.event()
-    assert log == [
-        "firstwrap:before", "wrap2:before", "wrap1:before",
-        "first2", "first1",  # tryfirst: last registered first
-        "plain2", "plain1",  # plain: last registered first
-        "last1", "last2",  # trylast: first registered first
-        "wrap1:after", "wrap2:after", "firstwrap:after",
-    ]  # fmt: skip
+    algorithms = [
+        Ordered("late", log, trylast=True),
+        Ordered("plain_a", log),
+        Ordered("early", log, tryfirst=True),
+        Ordered("plain_b", log),
+    ]
+    observer = SeesTheRecords(log)
+    train(tmp_path, algorithms, max_duration="2ba", eval_interval="1ba", callbacks=[observer])
+    per_batch = ["early", "plain_a", "plain_b", "sees_the_records", "late"]
+    assert log == per_batch * 2
+    assert observer.best_at_eval_end == [True, True]  # each evaluation, the last being the final one
+    assert observer.summary_at_fit_end
 
 
 class Tagger(Algorithm):

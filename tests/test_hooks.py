@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import Probe, train
-from slipstream import Algorithm, PluginError, hookimpl, hookspecs
+from slipstream import NOT_MINE, Algorithm, PluginError, hookimpl, hookspecs
 from slipstream.hookspecs import EVENTS, STEPS
 
 BATCH_EVENTS = [
@@ -139,18 +139,18 @@ def test_should_step_gates_the_optimizer_and_its_events(tmp_path):
     assert trainer.state.timestamp.optimizer_steps == 2
 
 
-def test_unimplemented_hooks_are_skipped_or_bound_to_a_cheap_noop(tmp_path):
+def test_unimplemented_hooks_are_skipped_or_do_nothing(tmp_path):
     trainer = train(tmp_path, [], max_duration="1ba", eval_interval=None)
-    # A per-batch event nobody implements is None, which the loop skips; others
-    # (fired once a run or an epoch) are a no-op.
+    state = trainer.state
+    # A per-batch event nobody implements is None (Trainer.hooks), which the loop
+    # skips; others (fired once a run or an epoch) may be called and do nothing.
     assert trainer.hooks.before_backward is None
-    assert trainer.hooks.epoch_start.__name__ == "_noop"
-    # Implemented ones are called directly (slipstream.dispatch), not through pluggy;
-    # with checkpoints and evaluation at whole epochs, only the metrics log acts at
-    # batch_end, and the loop, which ignores what events return, calls it itself.
-    assert trainer.hooks.batch_end == trainer.pm.get_plugin("engine.metrics").batch_end
-    # A step only the engine performs is its default's method itself.
-    assert trainer.hooks.forward == trainer.pm.get_plugin("engine.steps").forward
+    before = dict(vars(state.timestamp))
+    assert not trainer.hooks.epoch_start(state=state)
+    assert vars(state.timestamp) == before
+    # A step only the engine performs is the engine's default.
+    torch.testing.assert_close(trainer.hooks.forward(state=state), state.model(state.batch[0]))
+    assert trainer.hooks.should_step(state=state) is True
 
 
 def test_every_per_batch_event_reaches_a_plugin_that_implements_it(tmp_path):
@@ -256,3 +256,54 @@ def test_the_logged_loss_is_the_mean_of_the_intervals_batches(tmp_path, monkeypa
     for (step, loss), start in zip(logged, starts, strict=True):
         expected = sum(recorder.losses[start:step]) / (step - start)
         assert loss == pytest.approx(expected, rel=1e-6)
+
+
+class ForgetsToReturn(Algorithm):
+    name = "forgets_to_return"
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    @hookimpl
+    def backward(self, state):
+        self.calls += 1
+        state.loss.backward()  # and no return: the engine's default would backward again
+
+
+class BackwardSometimes(Algorithm):
+    """Replaces backward on odd batches only, leaving even ones to the engine."""
+
+    name = "backward_sometimes"
+
+    def __init__(self):
+        super().__init__()
+        self.mine = []
+
+    @hookimpl
+    def backward(self, state):
+        if state.timestamp.batch % 2 == 0:
+            return NOT_MINE
+        self.mine.append(state.timestamp.batch)
+        (state.loss * 0).backward()  # no gradient: the weights must not move on odd batches
+        return True
+
+
+def test_a_replacing_step_that_returns_none_is_an_error_naming_the_plugin(tmp_path):
+    plugin = ForgetsToReturn()
+    with pytest.raises(PluginError, match=r"'forgets_to_return'.*'backward'.*None.*NOT_MINE"):
+        train(tmp_path, [plugin], max_duration="2ba", eval_interval=None)
+    assert plugin.calls == 1  # stopped at its first call, before a second backward
+
+
+def test_not_mine_leaves_the_step_to_the_engine(tmp_path):
+    plugin = BackwardSometimes()
+    moved = []
+    probe = Probe(
+        before_optimizer_step=lambda s: moved.append(
+            any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in s.model.parameters())
+        )
+    )
+    train(tmp_path, [plugin, probe], max_duration="4ba", eval_interval=None)
+    assert plugin.mine == [1, 3]
+    assert moved == [True, False, True, False]  # the engine's backward on even batches only

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -368,3 +369,24 @@ def test_probing_is_announced_only_when_the_device_is_probed(tmp_path):
     flops = {name: 1e12 for name in probe_dtypes(device)}
     path.write_text(json.dumps({machine_key(device, 1): {"flops": flops}}))
     assert peak_flops(device, threads=1, path=path, on_probe=announce).source == "cache"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the per-run reset needs Linux")
+def test_earlier_garbage_freed_during_a_run_does_not_hide_its_growth(tmp_path: Path) -> None:
+    class Cycle:  # garbage only the cyclic collector frees, holding 128 MiB
+        def __init__(self) -> None:
+            self.me, self.data = self, torch.ones(32 * 2**20)
+
+    earlier = Cycle()
+    gc.collect()  # survived a full collection: in the oldest generation, as a past run's objects are
+    del earlier
+    held: list[torch.Tensor] = []
+
+    def collect_then_allocate(state) -> None:
+        if not held:
+            gc.collect()  # were the earlier cycle freed here, the run's growth would read ~0
+            held.append(torch.ones(24 * 2**20))  # 96 MiB, every page touched
+
+    run = train(tmp_path, [Probe(batch_end=collect_then_allocate)], model=conv_net(), peak_tflops=1.0)
+    assert run.summary["peak_memory_mb"] >= 90
+    assert gc.get_freeze_count() == 0  # what the run held back is collectable again

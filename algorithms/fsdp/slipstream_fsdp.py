@@ -37,10 +37,18 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from slipstream import Algorithm, ConfigError, State, check_plugin_options, hookimpl, plugin_option, requested_impl
+from slipstream import (
+    DTYPES,
+    Algorithm,
+    ConfigError,
+    State,
+    check_plugin_options,
+    hookimpl,
+    plugin_option,
+    requested_impl,
+)
 from slipstream.flops import meta_copy
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Where "auto" finds the blocks: timm ViTs/ConvNeXts, timm and torchvision ResNets.
 _BLOCK_CONTAINERS = ("blocks", "stages")
 _RESNET_STAGES = ("layer1", "layer2", "layer3", "layer4")

@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from slipstream import DTYPES as ALL_DTYPES
 from slipstream import (
+    NOT_MINE,
     Algorithm,
     ConfigError,
     State,
@@ -28,7 +30,7 @@ from slipstream import (
     plugin_option,
 )
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {name: ALL_DTYPES[name] for name in ("bf16", "fp16")}  # the reduced precisions
 CHOICES = ("auto", *DTYPES)
 # dtype auto: a reduced precision changes the numerics, so it must win clearly.
 REDUCED_MARGIN = 0.10
@@ -201,13 +203,13 @@ class MixedPrecision(Algorithm):
         return loss.float()
 
     # -- fp16 only: loss scaling -------------------------------------------------------
-    # These replace the engine's steps; with bf16 they return None so the engine's
+    # These replace the engine's steps; with bf16 they return NOT_MINE so the engine's
     # defaults run.
 
     @hookimpl
-    def backward(self, state: State) -> bool | None:
+    def backward(self, state: State) -> Any:
         if self.scaler is None:
-            return None
+            return NOT_MINE
         self.scaler.scale(state.loss).backward()
         return True
 
@@ -219,9 +221,9 @@ class MixedPrecision(Algorithm):
             self.scaler.unscale_(state.optimizer)
 
     @hookimpl
-    def optimizer_step(self, state: State) -> bool | None:
+    def optimizer_step(self, state: State) -> Any:
         if self.scaler is None:
-            return None
+            return NOT_MINE
         optimizer, scaler = state.optimizer, self.scaler
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # Fused optimizers skip on the device, so only the scale tells, at the

@@ -42,9 +42,10 @@ if TYPE_CHECKING:
     from .checks import check_plugin_options, check_value, plugin_option
     from .duration import Duration, DurationError, parse_duration_option
     from .errors import CheckpointError, ConfigError, PluginError, SlipstreamError
-    from .hookspecs import hookimpl
+    from .hookspecs import NOT_MINE, hookimpl
     from .images import to_unit_float
     from .options import TrainerOptions
+    from .peak_flops import DTYPES
     from .rundir import RunDir
     from .seeds import batch_generator, batch_seed
     from .state import State, Timestamp, unwrap_model
@@ -60,8 +61,10 @@ _EXPORTS = {
     "Callback": "callback",
     "CheckpointError": "errors",
     "ConfigError": "errors",
+    "DTYPES": "peak_flops",
     "Duration": "duration",
     "DurationError": "duration",
+    "NOT_MINE": "hookspecs",
     "PluginError": "errors",
     "RunDir": "rundir",
     "SlipstreamError": "errors",
@@ -90,8 +93,10 @@ __all__ = [
     "Callback",
     "CheckpointError",
     "ConfigError",
+    "DTYPES",
     "Duration",
     "DurationError",
+    "NOT_MINE",
     "PluginError",
     "RunDir",
     "SlipstreamError",

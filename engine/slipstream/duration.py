@@ -54,10 +54,6 @@ class Duration:
             raise DurationError(f"{text!r}: a 'dur' duration is a fraction of the run, from 0 to 1")
         return cls(value, unit)
 
-    @property
-    def is_wall_clock(self) -> bool:
-        return self.unit == "s"
-
     def __str__(self) -> str:
         value = int(self.value) if float(self.value).is_integer() else self.value
         return f"{value}{self.unit}"

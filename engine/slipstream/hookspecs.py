@@ -24,7 +24,11 @@ can either
   ``backward``). Wrappers compose: any number of plugins may wrap the same step; or
 * *replace* it with a plain implementation that returns a value (a GradScaler's
   ``scale(loss).backward()``). Two plugins replacing the same step is an error at
-  start-up that names both, because only one of them could ever run.
+  start-up that names both, because only one of them could ever run. A replacing
+  implementation that leaves the step to the engine in some runs (no GradScaler
+  under bf16) returns :data:`NOT_MINE`; one that returns ``None`` is an error naming
+  the plugin, since to pluggy ``None`` means "go on", and a forgotten ``return``
+  would run the step a second time in the engine's default.
 
 **Persistence** is not a hook: any plugin instance may define ``state_dict()`` and
 ``load_state_dict(state_dict)``; checkpoints store the result under the plugin's
@@ -47,18 +51,22 @@ The order is pluggy's, for every hook alike:
    the list, so within the ``trylast`` tier the plugin registered *first* is
    called first.)
 
-The engine registers its own services first and the run's algorithms after them,
-the first algorithm of the resolved order (``runs_after``/``runs_before``, then the
-order given) last. So at every event, plain implementations run as:
+The engine registers the run's callbacks first, then its own services, then the
+run's algorithms, the first algorithm of the resolved order (``runs_after``/
+``runs_before``, then the order given) last (``Trainer._register``; a test checks
+this list against it). So at every event, plain implementations run as:
 
     algorithms, in the resolved order
     -> engine.evaluation (evaluates at batch_end/epoch_end when an interval is due)
+    -> engine.target (only with trainer.target_accuracy: time to target, the stop)
+    -> engine.utilization (FLOPs per batch for MFU; peak memory from fit_start)
     -> engine.metrics (writes the train/eval record to metrics.jsonl)
-    -> engine.progress (the progress bar, rank 0 only)
+    -> engine.progress (the progress bar, rank 0 only, when it is on)
     -> engine.losses (keeps each batch's loss at after_loss; the metrics record and
        every checkpoint read them, and the divergence check looks at each value read)
     -> engine.checkpoint (saves at batch_end/epoch_end when due, and at fit_end)
     -> engine.summary (writes summary.json at fit_end and on exception)
+    -> engine.steps (the default of every step; steps only)
     -> callbacks, in the order given (``--callbacks``, a recipe's ``callbacks:``)
 
 so a checkpoint or a metrics record always holds what every algorithm did at that
@@ -66,12 +74,20 @@ event, and a callback (which observes) sees what the engine recorded: the eval
 record written and ``checkpoints/best.pt`` saved at ``eval_end``, ``summary.json``
 at ``fit_end``. A callback may not implement a step hook.
 
-Exceptions to this order are marked: ``engine.evaluation``'s ``fit_end`` is
-``tryfirst`` (every ``fit_end`` sees the final evaluation), ``engine.progress``'s
-``fit_end`` is ``trylast``, and ``engine.steps`` provides every step as ``trylast``
-(the default a plugin replaces or wraps). An algorithm that must act after the
-engine's services (restore a global setting after the last checkpoint) uses
-``trylast``.
+Exceptions to this order are marked (``tryfirst`` and ``trylast`` tiers come before
+and after every plain implementation, callbacks' included):
+
+* ``engine.evaluation``'s ``fit_end`` is ``tryfirst``: every ``fit_end`` sees the
+  final evaluation;
+* ``engine.target``'s ``eval_end`` is ``trylast``: it reuses the eval record's
+  ``elapsed_s``, so it runs after the callbacks' ``eval_end`` too, and a callback
+  sees ``time_to_target_s`` only from the next event on;
+* ``engine.progress``'s ``fit_end`` is ``trylast``: the bar closes last;
+* ``engine.steps`` provides every step as ``trylast`` (the default a plugin
+  replaces or wraps).
+
+An algorithm that must act after the engine's services (restore a global setting
+after the last checkpoint) uses ``trylast``.
 
 ``*_end`` events run in the same order as ``*_start`` events, not reversed. One
 rule for every event keeps ``tryfirst``/``trylast`` meaning the same everywhere and
@@ -163,6 +179,28 @@ if TYPE_CHECKING:
 PROJECT = "slipstream"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
+
+
+class _NotMine:
+    """The type of :data:`NOT_MINE`."""
+
+    _instance: _NotMine | None = None
+
+    def __new__(cls) -> _NotMine:  # one instance, also after copy or pickling
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __reduce__(self) -> str:
+        return "NOT_MINE"
+
+    def __repr__(self) -> str:
+        return "slipstream.NOT_MINE"
+
+
+# What a step implementation that replaces the engine's returns to leave this call
+# of the step to the implementations after it (in the end the engine's default).
+NOT_MINE = _NotMine()
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 # Names of the step hooks: those of the loop, in the order it calls them, then

@@ -16,9 +16,6 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-# torchrun's flags that `slipstream train` takes, with its own names.
-LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port")
-
 
 @dataclass
 class LaunchOptions:

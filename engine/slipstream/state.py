@@ -238,6 +238,3 @@ class State:
         self.stop_requested = True
         self.stop_status = status
         self.stop_reason = reason
-
-    def plugin_stash(self, name: str) -> dict[str, Any]:
-        return self.stash.setdefault(name, {})

@@ -10,6 +10,7 @@ in :mod:`slipstream.services.summary`, the run directory's policy in
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -424,11 +425,15 @@ class Trainer:
 
     def _check_step_replacements(self) -> None:
         for step in hookspecs.STEPS:
-            replacing = [
-                impl.plugin_name
+            impls = [
+                impl
                 for impl in getattr(self.pm.hook, step).get_hookimpls()
                 if not (impl.wrapper or impl.hookwrapper) and impl.plugin is not self._defaults
             ]
+            for impl in impls:
+                if not getattr(impl.function, "_slipstream_checked", False):
+                    impl.function = _checked_step(impl.function, impl.plugin_name, step)
+            replacing = [impl.plugin_name for impl in impls]
             if len(replacing) > 1:
                 raise PluginError(
                     f"plugins {replacing[0]!r} and {replacing[1]!r} both replace the '{step}' step, "
@@ -648,6 +653,24 @@ class Trainer:
         return checkpoint_payload(
             state, [*self._algorithm_records(), *self._callback_records()], hook=self.pm.hook
         )
+
+
+def _checked_step(function: Callable[..., Any], plugin: str, step: str) -> Callable[..., Any]:
+    """A replacing step implementation as pluggy and the loop call it: ``NOT_MINE``
+    becomes pluggy's None (the next implementation runs), None is an error."""
+
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        result = function(*args, **kwargs)
+        if result is None:
+            raise PluginError(
+                f"plugin {plugin!r} replaces the '{step}' step but returned None; return the "
+                f"step's result, or slipstream.NOT_MINE to leave the step to the engine"
+            )
+        return None if result is hookspecs.NOT_MINE else result
+
+    checked._slipstream_checked = True  # type: ignore[attr-defined]
+    return checked
 
 
 def _batches_per_epoch(loader: Any) -> int | None:

@@ -155,7 +155,6 @@ def test_a_deep_copy_is_checkpointed_on_its_own_weights():
     apply_activation_checkpointing(model)
     twin = copy.deepcopy(model)
     assert checkpointed_modules(twin) == ["2", "3", "4"]
-    assert twin[2].forward.__self__ is twin[2]
     with torch.no_grad():
         for p in twin.parameters():
             p.zero_()

@@ -71,8 +71,17 @@ class Utilization:
     @hookimpl
     def fit_start(self, state: State) -> None:
         assert self.memory is not None
-        with state.untimed():  # its garbage collection is bookkeeping, not training
-            self.memory.start()
+        self.memory.start()
+
+    @hookimpl
+    def fit_end(self, state: State) -> None:
+        if self.memory is not None:
+            self.memory.stop()
+
+    @hookimpl
+    def exception(self, state: State, error: BaseException) -> None:
+        if self.memory is not None:
+            self.memory.stop()
 
     @hookimpl
     def before_forward(self, state: State) -> None:
