@@ -30,6 +30,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_layout.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py $(ARGS)

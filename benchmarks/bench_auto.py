@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from slipstream.config import build_config
+from slipstream.cli.runner import build_trainer
+from slipstream.config.schema import build_config
 from slipstream.duration import Duration
-from slipstream.peak_flops import device_label
-from slipstream.runner import build_trainer
-from slipstream.variants import cache_path
+from slipstream.plugins.variants import cache_path
+from slipstream.services.peak_flops import device_label
 
 RECIPES = ("default", "resnet18_baseline", "resnet18_fast")
 GOAL = 0.95

@@ -37,8 +37,8 @@ from torchvision.transforms import v2
 
 from common import StepClock, compare, parser, random_loader, report
 from slipstream import Algorithm, hookimpl
-from slipstream.config import build_config
-from slipstream.runner import build_trainer
+from slipstream.cli.runner import build_trainer
+from slipstream.config.schema import build_config
 
 
 class Augmented(Dataset):

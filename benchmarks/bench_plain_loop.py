@@ -33,9 +33,9 @@ from slipstream_channels_last import ChannelsLast
 
 from common import compare, mixed_precision_bf16, parser, random_loader
 from slipstream import Algorithm
-from slipstream.flops import training_flops_per_sample
 from slipstream.models import build_model
-from slipstream.peak_flops import peak_flops
+from slipstream.services.flops import training_flops_per_sample
+from slipstream.services.peak_flops import peak_flops
 
 VARIANTS = {  # name: (channels_last, bf16)
     "fp32": (False, False),

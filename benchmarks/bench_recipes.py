@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from slipstream.cli import exit_code, user_error_message
-from slipstream.config import build_config
-from slipstream.results import compare_runs, compare_runs_json, load_run, time_to_accuracy
-from slipstream.runner import build_trainer
+from slipstream.cli.main import exit_code, user_error_message
+from slipstream.cli.runner import build_trainer
+from slipstream.config.schema import build_config
+from slipstream.run.results import compare_runs, compare_runs_json, load_run, time_to_accuracy
 
 # A smoke run: every recipe for a couple of epochs on a tenth of the data.
 QUICK = ["trainer.max_duration=2ep", "data.train_size=512", "data.val_size=256"]

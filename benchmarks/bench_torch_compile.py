@@ -34,7 +34,7 @@ from torch._inductor.utils import clear_caches
 from common import compare, parser, random_loader, report
 from slipstream import Algorithm, Trainer, hookimpl
 from slipstream.models import build_model
-from slipstream.plugins import build_config, discover
+from slipstream.plugins.discovery import build_config, discover
 
 
 def start_compiler(cold: bool) -> None:

@@ -60,7 +60,7 @@ def run_cost(name: str, records: int) -> dict[str, float]:
 
     from helpers import tiny_loaders, tiny_model
     from slipstream import Trainer
-    from slipstream.plugins import CALLBACKS_GROUP, discover, instantiate
+    from slipstream.plugins.discovery import CALLBACKS_GROUP, discover, instantiate
 
     (callback,) = instantiate({name: None}, discover(load=False, group=CALLBACKS_GROUP), CALLBACKS_GROUP)
     spent = {"fit_start": 0.0, "log_metrics": 0.0, "calls": 0, "fit_end": 0.0}

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from slipstream import Algorithm, Trainer, hookimpl
-from slipstream.plugins import build_config, discover
+from slipstream.plugins.discovery import build_config, discover
 
 
 def parser(description: str) -> argparse.ArgumentParser:

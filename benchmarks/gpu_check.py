@@ -178,7 +178,7 @@ def verify(target: Path, load: bool) -> int:
     if origin is None or not origin.startswith(str(target)):
         print(f"gpu_check: slipstream imports from {origin}, not from {target}", file=sys.stderr)
         return 1
-    from slipstream.plugins import ENTRY_POINT_GROUP, list_installed
+    from slipstream.plugins.discovery import ENTRY_POINT_GROUP, list_installed
 
     infos = list_installed(ENTRY_POINT_GROUP, check=load)
     broken = [f"{i.name}: {i.error}" for i in infos if getattr(i, "error", None)]
@@ -222,7 +222,7 @@ def _tests(xml: Path) -> dict[str, Any]:
 
 
 def _pair(work: Path) -> dict[str, Any]:
-    from slipstream.results import compare_runs_json, load_run
+    from slipstream.run.results import compare_runs_json, load_run
 
     runs, rows = [], {}
     for name in PAIR:

@@ -1,4 +1,4 @@
-"""Measured auto (slipstream.variants): plugins declare variants, the engine times them
+"""Measured auto (slipstream.plugins.variants): plugins declare variants, the engine times them
 on copies at fit start, tells each plugin its variant before init, caches the choice,
 pins it in checkpoints, and leaves the run exactly as it would be without measuring."""
 
@@ -14,7 +14,7 @@ from slipstream_mixed_precision import MixedPrecision, MixedPrecisionConfig
 
 from helpers import tiny_loaders, tiny_model
 from slipstream import Algorithm, ConfigError, Trainer, Variant, hookimpl
-from slipstream.variants import cache_path, pick
+from slipstream.plugins.variants import cache_path, pick
 
 FAST = {"autotune_warmup": 1, "autotune_steps": 2}
 

@@ -21,8 +21,8 @@ from slipstream import (
     hookimpl,
     load_checkpoint,
 )
-from slipstream.config import build_config
-from slipstream.plugins import CALLBACKS_GROUP, discover, instantiate
+from slipstream.config.schema import build_config
+from slipstream.plugins.discovery import CALLBACKS_GROUP, discover, instantiate
 from slipstream.services.metrics import MetricsLogger
 
 
@@ -190,7 +190,7 @@ def test_callbacks_merge_like_algorithms(tmp_path):
 
 def test_callback_config_errors_name_the_callback_and_the_key():
     cls = discover(group=CALLBACKS_GROUP)["early_stopping"].cls
-    from slipstream.plugins import build_config as plugin_config
+    from slipstream.plugins.discovery import build_config as plugin_config
 
     unknown = r"callbacks.early_stopping: unknown key 'patiense' \(did you mean 'patience'\?\)"
     with pytest.raises(ConfigError, match=unknown):

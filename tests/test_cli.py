@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from slipstream.cli import main
+from slipstream.cli.main import main
 
 TINY = [
     "model.name=test_resnet",

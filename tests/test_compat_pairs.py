@@ -5,7 +5,7 @@ that names both. See test_compat_singles.py."""
 import pytest
 
 from compat_setup import DOC, FIVE, PROBES, SETTINGS, classes
-from slipstream.compat import WRAP_PLUGIN, cells_of, pair_cell, run_local
+from slipstream.plugins.compatibility import WRAP_PLUGIN, cells_of, pair_cell, run_local
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ Part 2 (pairs) and 3 (DDP, fsdp) are their own files, so xdist can spread them."
 import pytest
 
 from compat_setup import COMMAND, DOC, FIVE, PROBES, SETTINGS, classes
-from slipstream.compat import (
+from slipstream.plugins.compatibility import (
     MODELS,
     OPTIMIZERS,
     WRAP_PLUGIN,
@@ -84,7 +84,7 @@ def test_the_table_is_what_the_code_renders(committed):
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(argv, says, capsys, tmp_path):
-    from slipstream.cli import main
+    from slipstream.cli.main import main
 
     assert main(["compatibility", *argv, "--no-distributed"]) == 2
     err = capsys.readouterr().err.strip()

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from slipstream import ConfigError, Duration, DurationError
-from slipstream.config import build_config
-from slipstream.recipes import bundled, find_recipe
+from slipstream.config.recipes import bundled, find_recipe
+from slipstream.config.schema import build_config
 
 
 def write(path, text):

@@ -290,7 +290,7 @@ class SeesTheRecords(Callback):
 
 
 def test_the_loop_calls_tiers_in_the_documented_order(tmp_path):
-    """Through the real loop (the bound hooks of slipstream.dispatch, not a test-built
+    """Through the real loop (the bound hooks of slipstream.plugins.dispatch, not a test-built
     plugin manager): tiers, the resolved order, and callbacks after the engine."""
     log: list[str] = []
     algorithms = [

@@ -19,8 +19,8 @@ import torch
 from PIL import Image
 
 from slipstream import Algorithm, ConfigError, Trainer, hookimpl
-from slipstream.cli import main
-from slipstream.config import build_config
+from slipstream.cli.main import main
+from slipstream.config.schema import build_config
 from slipstream.data import DataRequest, build_dataset_plugin
 from slipstream.data.stream import StreamLoader
 

@@ -1,4 +1,4 @@
-"""slipstream.dispatch.bind calls the per-batch hooks as pluggy would: same order, same
+"""slipstream.plugins.dispatch.bind calls the per-batch hooks as pluggy would: same order, same
 first-result rule, same exceptions; it hands wrappers and traced managers to pluggy."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pluggy
 import pytest
 
 from slipstream import hookimpl, hookspecs
-from slipstream.dispatch import bind
+from slipstream.plugins.dispatch import bind
 
 
 def manager(*plugins: object) -> pluggy.PluginManager:
@@ -140,7 +140,7 @@ def test_a_plugin_idle_at_a_hook_is_left_out_of_it_and_pluggy_still_calls_it():
 def test_checkpoints_and_evaluation_are_asked_at_batch_end_only_if_due_inside_an_epoch(
     tmp_path, interval, bound
 ):
-    from slipstream.dispatch import bind_event
+    from slipstream.plugins.dispatch import bind_event
     from slipstream.services import Checkpointer, Evaluator
 
     for service in (Checkpointer(tmp_path, lambda state: {}, interval), Evaluator(None, interval)):
@@ -149,7 +149,7 @@ def test_checkpoints_and_evaluation_are_asked_at_batch_end_only_if_due_inside_an
 
 
 def test_an_event_for_a_caller_that_ignores_results_is_none_the_lone_plugin_or_each_in_order():
-    from slipstream.dispatch import bind_event
+    from slipstream.plugins.dispatch import bind_event
 
     assert bind_event(manager(), "batch_end") is None  # nobody implements it: the loop skips it
     calls: list[str] = []

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import ConfigError, TrainerOptions
-from slipstream.config import build_config
+from slipstream.config.schema import build_config
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 

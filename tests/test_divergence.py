@@ -177,7 +177,7 @@ def test_final_weights_that_are_not_finite_never_end_completed(tmp_path):
 
 
 def test_compare_and_plot_show_a_diverged_run_by_its_status(tmp_path):
-    from slipstream.results import build_figure, compare_runs, compare_runs_json, load_run
+    from slipstream.run.results import build_figure, compare_runs, compare_runs_json, load_run
 
     good = train(tmp_path / "good", [], max_duration="1ep", checkpoint_interval=None)
     bad = train(tmp_path / "bad", [poison_from(2)], max_duration="2ep", log_interval=100, checkpoint_interval=None)

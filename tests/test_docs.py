@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from slipstream import cli
-from slipstream.config import SECTIONS
+from slipstream.cli import main as cli
+from slipstream.config.schema import SECTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]

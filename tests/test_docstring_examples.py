@@ -10,7 +10,7 @@ import pkgutil
 import pytest
 
 import slipstream
-from slipstream.plugins import CALLBACKS_GROUP, ENTRY_POINT_GROUP, discover
+from slipstream.plugins.discovery import CALLBACKS_GROUP, ENTRY_POINT_GROUP, discover
 
 
 def _engine_modules() -> list[str]:

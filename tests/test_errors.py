@@ -1,7 +1,7 @@
 """Whole categories of user mistakes and environment faults end in one clear line
 and exit code 2, never a traceback, and nothing is written for a refused start.
 
-Most run `slipstream.cli.main` in-process (a subprocess costs a torch import each);
+Most run `slipstream.cli.main.main` in-process (a subprocess costs a torch import each);
 test_cli.py covers the subprocess path itself."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 
 from helpers import fake_distribution, train
 from slipstream import CheckpointError, ConfigError
-from slipstream.cli import main
-from slipstream.config import build_config
+from slipstream.cli.main import main
+from slipstream.config.options import TrainerOptions, check_output_dir
+from slipstream.config.schema import build_config
 from slipstream.errors import ConfigWarning, describe_os_error
-from slipstream.options import TrainerOptions, check_output_dir
 
 TINY = [
     "model.name=test_resnet",
@@ -127,7 +127,7 @@ def test_run_dir_under_a_file_or_a_file(capsys, tmp_path):
 
 def test_run_dir_in_a_read_only_place(tmp_path, monkeypatch):
     # Tests may run as root, who may write anywhere: the permission check is simulated.
-    monkeypatch.setattr("slipstream.options.os.access", lambda *a: False)
+    monkeypatch.setattr("slipstream.config.options.os.access", lambda *a: False)
     with pytest.raises(ConfigError, match="no write permission or a read-only file system"):
         check_output_dir(tmp_path / "new" / "run", "trainer.run_dir")
 
@@ -140,7 +140,7 @@ def test_a_write_failing_mid_run_names_the_cause(capsys, tmp_path, monkeypatch, 
     def full(payload, path):
         raise OSError(code, "os message", str(path))
 
-    monkeypatch.setattr("slipstream.services.checkpoint.save_checkpoint", full)
+    monkeypatch.setattr("slipstream.services.checkpointer.save_checkpoint", full)
     run_dir = tmp_path / "run"
     exit_code, _, err = run_cli(capsys, "train", *TINY, f"trainer.run_dir={run_dir}")
     # A run that began ends `failed`, with that status's exit code.
@@ -306,7 +306,7 @@ def test_a_bug_still_shows_its_traceback(capsys, monkeypatch):
     def broken(*args, **kwargs):
         raise AttributeError("a bug")
 
-    monkeypatch.setattr("slipstream.config.build_config", broken)
+    monkeypatch.setattr("slipstream.config.schema.build_config", broken)
     with pytest.raises(AttributeError, match="a bug"):
         main(["train"])
 

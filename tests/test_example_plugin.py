@@ -65,7 +65,7 @@ def test_the_example_is_found_through_its_entry_point(installed):
 def test_training_with_the_example_plugin(installed, tmp_path, monkeypatch, capsys):
     # In this process (the listing above starts an interpreter as a user would): the
     # package's folder on sys.path is all entry-point discovery needs.
-    from slipstream.cli import main
+    from slipstream.cli.main import main
 
     monkeypatch.syspath_prepend(str(installed))
     run_dir = tmp_path / "run"

@@ -14,10 +14,10 @@ from torch.utils.data import DataLoader
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import ConfigError, Trainer, to_unit_float
-from slipstream.config import build_config
+from slipstream.cli.runner import build_trainer
+from slipstream.config.options import TrainerOptions
+from slipstream.config.schema import build_config
 from slipstream.data import DATASET_STATS, SyntheticShapes
-from slipstream.options import TrainerOptions
-from slipstream.runner import build_trainer
 
 README = Path(__file__).parents[1] / "README.md"
 
@@ -147,7 +147,7 @@ def test_deterministic_warns_on_cuda_and_refuses_on_cpu(monkeypatch):
     # first step, so CUDA runs warn; the CPU keeps the strict mode.
     import os
 
-    from slipstream.options import apply_process_settings
+    from slipstream.config.options import apply_process_settings
 
     calls = []
 

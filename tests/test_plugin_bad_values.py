@@ -16,9 +16,9 @@ import typing
 import pytest
 
 from slipstream import check_value, plugin_option
-from slipstream.checks import check_plugin_options, option_rule
-from slipstream.cli import main
-from slipstream.plugins import CALLBACKS_GROUP, ENTRY_POINT_GROUP, GROUPS, discover
+from slipstream.cli.main import main
+from slipstream.plugins.checks import check_plugin_options, option_rule
+from slipstream.plugins.discovery import CALLBACKS_GROUP, ENTRY_POINT_GROUP, GROUPS, discover
 
 TINY = [
     "model.name=test_resnet",

@@ -6,7 +6,7 @@ import pytest
 
 from helpers import fake_distribution
 from slipstream import Algorithm, ConfigError, PluginError
-from slipstream.plugins import build_config, discover, instantiate, resolve_order
+from slipstream.plugins.discovery import build_config, discover, instantiate, resolve_order
 
 GOOD = '''
 from dataclasses import dataclass
@@ -150,7 +150,7 @@ def test_the_listing_reads_metadata_and_imports_no_plugin(site, tmp_path):
     import sys
 
     from helpers import fake_distribution
-    from slipstream.plugins import list_installed
+    from slipstream.plugins.discovery import list_installed
 
     fake_distribution(site, "slipstream-gone", {"gone": "gone_mod:Gone"}, {})  # no module at all
     fake_distribution(
@@ -165,7 +165,7 @@ def test_the_listing_reads_metadata_and_imports_no_plugin(site, tmp_path):
     assert checked["loud"].error == "RuntimeError: imported"
     # The command imports neither torch nor any model or augmentation library.
     code = (
-        "import sys; from slipstream.cli import main; main(['algorithms']); "
+        "import sys; from slipstream.cli.main import main; main(['algorithms']); "
         "print(sorted(m for m in ('torch', 'timm', 'torchvision', 'kornia') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -6,9 +6,9 @@ import warnings
 
 import pytest
 
-from slipstream.config import build_config
-from slipstream.recipes import bundled
-from slipstream.runner import build_trainer
+from slipstream.cli.runner import build_trainer
+from slipstream.config.recipes import bundled
+from slipstream.config.schema import build_config
 
 
 @pytest.mark.parametrize("name", sorted(bundled()))

@@ -1,4 +1,4 @@
-"""Tests for slipstream.results over hand-written run directories."""
+"""Tests for slipstream.run.results over hand-written run directories."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.results import (
+from slipstream.run.results import (
     ResultsError,
     build_figure,
     compare_runs,

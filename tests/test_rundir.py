@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import Probe, train
 from slipstream import Callback, CheckpointError, ConfigError, hookimpl
-from slipstream.results import compare_runs_json, load_run
-from slipstream.rundir import RunDir, atomic_write, atomic_write_text
+from slipstream.run.directory import RunDir, atomic_write, atomic_write_text
+from slipstream.run.results import compare_runs_json, load_run
 
 
 def steps(run_dir: Path, kind: str) -> list[int]:

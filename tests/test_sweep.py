@@ -14,9 +14,9 @@ import optuna
 import pytest
 
 from slipstream import ConfigError
-from slipstream.cli import main
-from slipstream.config import build_config
-from slipstream.sweep import parse_search_space, run_sweep, trial_rows
+from slipstream.cli.main import main
+from slipstream.cli.sweep import parse_search_space, run_sweep, trial_rows
+from slipstream.config.schema import build_config
 
 TINY = """\
 # A tiny recipe: 2 epochs of 4 batches, evaluated after each.
@@ -135,7 +135,7 @@ def test_the_cli_refuses_bad_syntax_with_exit_2_and_writes_nothing(tmp_path, cap
 
 def test_the_engine_imports_optuna_only_for_a_sweep():
     code = (
-        "import sys, slipstream, slipstream.cli, slipstream.runner; slipstream.Trainer; "
+        "import sys, slipstream, slipstream.cli.main, slipstream.cli.runner; slipstream.Trainer; "
         "print('optuna' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

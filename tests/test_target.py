@@ -9,7 +9,7 @@ import pytest
 
 from helpers import train
 from slipstream import ConfigError
-from slipstream.config import build_config
+from slipstream.config.schema import build_config
 
 
 def eval_records(run_dir: Path) -> list[dict]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.cli import main
-from slipstream.config import build_config
+from slipstream.cli.main import main
+from slipstream.config.schema import build_config
 from slipstream.errors import ConfigWarning
 
 TINY = [

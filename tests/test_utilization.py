@@ -15,9 +15,9 @@ from torch import nn
 
 from helpers import Probe, tiny_loaders, train
 from slipstream import ConfigError, Trainer
-from slipstream import peak_flops as pf
-from slipstream.flops import training_flops_per_sample
 from slipstream.services import Utilization
+from slipstream.services import peak_flops as pf
+from slipstream.services.flops import training_flops_per_sample
 
 
 def conv_net() -> nn.Module:
@@ -354,7 +354,7 @@ def test_peak_memory_is_each_runs_own(tmp_path: Path) -> None:
 
 
 def test_probing_is_announced_only_when_the_device_is_probed(tmp_path):
-    from slipstream.peak_flops import machine_key, peak_flops, probe_dtypes
+    from slipstream.services.peak_flops import machine_key, peak_flops, probe_dtypes
 
     device, path = torch.device("cpu"), tmp_path / "peak.json"
 

@@ -12,11 +12,11 @@ import torch
 
 from helpers import Probe, tiny_model, train
 from slipstream import CheckpointError, ConfigError, Trainer, load_checkpoint
-from slipstream.checkpoint import load_weights
-from slipstream.cli import main
-from slipstream.inference import export_checkpoint, rebuild
+from slipstream.cli.main import main
 from slipstream.models import build_loss, build_model
 from slipstream.optim import build_optimizer
+from slipstream.run.checkpoint import load_weights
+from slipstream.run.inference import export_checkpoint, rebuild
 
 RECIPE = """
 model: {name: test_resnet}

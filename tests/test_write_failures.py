@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from slipstream import load_checkpoint
-from slipstream.checkpoint import save_shards
-from slipstream.cli import main
-from slipstream.rundir import atomic_write, write_failure
+from slipstream.cli.main import main
+from slipstream.run.checkpoint import save_shards
+from slipstream.run.directory import atomic_write, write_failure
 
 TINY = [
     "model.name=test_resnet",
@@ -53,8 +53,8 @@ LIMITED = textwrap.dedent(
     """
     import contextlib, io, json, resource, signal, sys
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    import slipstream.services.checkpoint as service
-    from slipstream.cli import main
+    import slipstream.services.checkpointer as service
+    from slipstream.cli.main import main
 
     save, limited, seen = service.save_checkpoint, [None], {}
     hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
@@ -137,7 +137,7 @@ def disk_fills_after(limit: int):
 def test_a_full_disk_mid_checkpoint_is_one_line_and_leaves_no_partial_file(capsys, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     with disk_fills_after(1 << 20) as fdopen:
-        monkeypatch.setattr("slipstream.rundir.os.fdopen", fdopen)
+        monkeypatch.setattr("slipstream.run.directory.os.fdopen", fdopen)
         code = main(["train", *TINY, "trainer.max_duration=1ba", f"trainer.run_dir={run_dir}"])
     err = capsys.readouterr().err
     assert_failed_in_one_line(code, err, f"{run_dir / 'checkpoints' / 'best.pt'}: the disk is full")
@@ -157,7 +157,7 @@ def test_no_permission_or_a_read_only_file_system_is_one_line(capsys, tmp_path, 
             raise OSError(code, os.strerror(code), str(path))
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr("slipstream.rundir.os.open", refuse)
+    monkeypatch.setattr("slipstream.run.directory.os.open", refuse)
     run_dir = tmp_path / "run"
     exit_code = main(["train", *TINY, "trainer.max_duration=1ba", f"trainer.run_dir={run_dir}"])
     err = capsys.readouterr().err
@@ -168,10 +168,10 @@ def test_no_permission_or_a_read_only_file_system_is_one_line(capsys, tmp_path, 
 
 def test_a_writer_error_without_an_os_error_is_read_off_the_file_system(tmp_path, monkeypatch):
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-    monkeypatch.setattr("slipstream.rundir.os.statvfs", lambda p: SimpleNamespace(f_bavail=0))
+    monkeypatch.setattr("slipstream.run.directory.os.statvfs", lambda p: SimpleNamespace(f_bavail=0))
     found = write_failure(short, tmp_path / "latest.pt")
     assert found.errno == errno.ENOSPC and found.filename == str(tmp_path / "latest.pt")
-    monkeypatch.setattr("slipstream.rundir.os.statvfs", lambda p: SimpleNamespace(f_bavail=10**6))
+    monkeypatch.setattr("slipstream.run.directory.os.statvfs", lambda p: SimpleNamespace(f_bavail=10**6))
     assert write_failure(short, tmp_path / "latest.pt") is None
 
     def bug(f):

@@ -44,10 +44,10 @@ from slipstream import (
     State,
     check_plugin_options,
     hookimpl,
+    meta_copy,
     plugin_option,
     requested_impl,
 )
-from slipstream.flops import meta_copy
 
 # Where "auto" finds the blocks: timm ViTs/ConvNeXts, timm and torchvision ResNets.
 _BLOCK_CONTAINERS = ("blocks", "stages")

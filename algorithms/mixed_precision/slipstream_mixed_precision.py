@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from slipstream import DTYPES as ALL_DTYPES
 from slipstream import (
@@ -103,6 +104,46 @@ def autocast(device: torch.device | str, dtype: torch.dtype) -> torch.autocast:
     return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
+# -- the oneDNN bf16 fault on 1x1 maps ----------------------------------------------------
+
+
+def _on_a_1x1_map(args: tuple[Any, ...]) -> bool:
+    x = args[0] if args else None
+    return isinstance(x, torch.Tensor) and x.dim() == 4 and (x.shape[-2] == 1 or x.shape[-1] == 1)
+
+
+def _fp32_before(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    if not (_on_a_1x1_map(args) and torch.is_autocast_enabled("cpu")):
+        return None
+    context = torch.autocast("cpu", enabled=False)
+    context.__enter__()
+    module._slipstream_fp32 = context  # left by the forward hook below
+    return (args[0].float(), *args[1:])
+
+
+def _fp32_after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    context = module.__dict__.pop("_slipstream_fp32", None)
+    if context is not None:
+        context.__exit__(None, None, None)
+
+
+def keep_1x1_convs_in_fp32(model: nn.Module) -> list[Any]:
+    """Run in fp32, outside CPU autocast, every strided convolution with a kernel larger
+    than 1x1 when its input map is one pixel high or wide; returns the hook handles.
+
+    oneDNN's bf16 kernels return a non-finite weight gradient for such a convolution in
+    about one call of two (3x3 stride 2 on a 1x1 map, channels-last or not; torch
+    2.14.1 on AMX and on AVX-512 BF16 CPUs): an ImageNet-stem ResNet's last stage at 16
+    to 32 px. The same convolution on a 2x2 map, or with stride 1, is sound. A 1x1 map
+    is a few FLOPs, so fp32 costs nothing measurable there."""
+    handles = []
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d) and max(module.stride) > 1 and max(module.kernel_size) > 1:
+            handles.append(module.register_forward_pre_hook(_fp32_before))
+            handles.append(module.register_forward_hook(_fp32_after))
+    return handles
+
+
 class MixedPrecision(Algorithm):
     """Autocast forward and loss to bf16/fp16 (fp16 with a GradScaler)."""
 
@@ -122,6 +163,7 @@ class MixedPrecision(Algorithm):
         self._stepped = False
         self._watched: torch.optim.Optimizer | None = None
         self._watch_handle: Any = None
+        self._guards: list[Any] = []  # keep_1x1_convs_in_fp32's hooks
 
     @property
     def active(self) -> bool:
@@ -169,6 +211,8 @@ class MixedPrecision(Algorithm):
             )
             return
         state.compute_dtype = self.dtype
+        if self.dtype == torch.bfloat16 and self.device_type == "cpu":
+            self._guards = keep_1x1_convs_in_fp32(state.unwrapped_model)
         if self.dtype == torch.bfloat16 and self.device_type == "cpu" and not cpu_has_native_bf16():
             warnings.warn(
                 "mixed_precision: dtype bf16 on a CPU without bf16 units (AVX-512 BF16 or "
@@ -275,6 +319,13 @@ class MixedPrecision(Algorithm):
 
         self._watch_handle = optimizer.register_step_post_hook(stepped)
         self._watched = optimizer
+
+    def export_model(self, model: nn.Module) -> nn.Module:
+        # An exported model runs in fp32 (no autocast): the fp32 guards have nothing to do.
+        for handle in self._guards:
+            handle.remove()
+        self._guards = []
+        return model
 
     @hookimpl
     def fit_end(self, state: State) -> None:

@@ -19,9 +19,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import Dataset
 
-from slipstream.data import DataRequest, DatasetPlugin
-from slipstream.data.datasets import DATASET_STATS, DataError
-from slipstream.data.decode import ResizeCrop, SkipLog, decode_rgb
+from slipstream.data import DATASET_STATS, DataError, DataRequest, DatasetPlugin, ResizeCrop, SkipLog, decode_rgb
 
 SPLITS = ("train", "validation", "valid", "val", "test")
 EVAL_SPLITS = ("validation", "valid", "val", "test")

@@ -20,10 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from slipstream.data import BuiltData, DataRequest, DatasetPlugin
-from slipstream.data.datasets import DATASET_STATS, DataError
-from slipstream.data.decode import ResizeCrop, decode_rgb
-from slipstream.data.stream import StreamLoader
+from slipstream.data import (
+    DATASET_STATS,
+    BuiltData,
+    DataError,
+    DataRequest,
+    DatasetPlugin,
+    ResizeCrop,
+    StreamLoader,
+    decode_rgb,
+)
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "tiff")
 LABEL_EXT = "cls"

@@ -22,7 +22,7 @@ The public API, which plugins may import:
   thing in the config's ``__post_init__``) and :func:`check_value` one rule, for a
   functional API.
 - :class:`Variant`: one way an algorithm can run, declared by
-  :meth:`Algorithm.variants` for measured ``auto`` (:mod:`slipstream.variants`).
+  :meth:`Algorithm.variants` for measured ``auto`` (:mod:`slipstream.plugins.variants`).
 - :func:`parse_duration_option` parses a plugin's duration config key with an
   error that names the algorithm and the key.
 
@@ -36,56 +36,57 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .algorithm import Algorithm
-    from .callback import Callback
-    from .checkpoint import load_checkpoint
-    from .checks import check_plugin_options, check_value, plugin_option
-    from .duration import Duration, DurationError, parse_duration_option
-    from .errors import CheckpointError, ConfigError, PluginError, SlipstreamError
-    from .hookspecs import NOT_MINE, hookimpl
-    from .images import to_unit_float
-    from .options import TrainerOptions
-    from .peak_flops import DTYPES
-    from .rundir import RunDir
-    from .seeds import batch_generator, batch_seed
-    from .state import State, Timestamp, unwrap_model
-    from .tracking import flatten, numbers
-    from .trainer import Trainer
-    from .variants import Variant
+    from slipstream.config.options import TrainerOptions
+    from slipstream.duration import Duration, DurationError, parse_duration_option
+    from slipstream.errors import CheckpointError, ConfigError, PluginError, SlipstreamError
+    from slipstream.hookspecs import NOT_MINE, hookimpl
+    from slipstream.images import to_unit_float
+    from slipstream.plugins.algorithm import Algorithm
+    from slipstream.plugins.callback import Callback
+    from slipstream.plugins.checks import check_plugin_options, check_value, plugin_option
+    from slipstream.plugins.variants import Variant
+    from slipstream.run.checkpoint import load_checkpoint
+    from slipstream.run.directory import RunDir
+    from slipstream.run.tracking import flatten, numbers
+    from slipstream.seeds import batch_generator, batch_seed
+    from slipstream.services.peak_flops import DTYPES
+    from slipstream.state import State, Timestamp, unwrap_model
+    from slipstream.trainer import Trainer
 
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "Algorithm": "algorithm",
-    "Callback": "callback",
+    "Algorithm": "plugins.algorithm",
+    "Callback": "plugins.callback",
     "CheckpointError": "errors",
     "ConfigError": "errors",
-    "DTYPES": "peak_flops",
+    "DTYPES": "config.options",
     "Duration": "duration",
     "DurationError": "duration",
     "NOT_MINE": "hookspecs",
     "PluginError": "errors",
-    "RunDir": "rundir",
+    "RunDir": "run.directory",
     "SlipstreamError": "errors",
     "State": "state",
     "Timestamp": "state",
     "Trainer": "trainer",
-    "TrainerOptions": "options",
+    "TrainerOptions": "config.options",
     "batch_generator": "seeds",
-    "check_plugin_options": "checks",
-    "check_value": "checks",
+    "check_plugin_options": "plugins.checks",
+    "check_value": "plugins.checks",
     "batch_seed": "seeds",
-    "flatten": "tracking",
+    "flatten": "run.tracking",
     "hookimpl": "hookspecs",
-    "load_checkpoint": "checkpoint",
-    "numbers": "tracking",
+    "load_checkpoint": "run.checkpoint",
+    "meta_copy": "services.flops",
+    "numbers": "run.tracking",
     "parse_duration_option": "duration",
-    "plugin_option": "checks",
+    "plugin_option": "plugins.checks",
     "requested_impl": "optim",
     "to_unit_float": "images",
     "unwrap_model": "state",
-    "Variant": "variants",
+    "Variant": "plugins.variants",
 }
 
 __all__ = [
@@ -112,6 +113,7 @@ __all__ = [
     "flatten",
     "hookimpl",
     "load_checkpoint",
+    "meta_copy",
     "numbers",
     "parse_duration_option",
     "plugin_option",

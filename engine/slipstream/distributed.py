@@ -18,7 +18,7 @@ def resolve_device(name: str | None = "auto") -> torch.device:
         return torch.device("cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        from .errors import ConfigError
+        from slipstream.errors import ConfigError
 
         raise ConfigError(
             f"trainer.device={name!r} but CUDA is not available here; use 'cpu' or 'auto'"

@@ -6,7 +6,7 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from slipstream.errors import ConfigError
 
 # Wall-clock units are normalised to seconds so that one unit ("s") covers them all.
 _WALL_CLOCK = {"s": 1.0, "m": 60.0, "h": 3600.0}

@@ -174,7 +174,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from .state import State
+    from slipstream.state import State
 
 PROJECT = "slipstream"
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .state import State
+from slipstream.state import State
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

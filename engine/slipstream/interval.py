@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .duration import Duration
-from .state import State
+from slipstream.duration import Duration
+from slipstream.state import State
 
 # Run time in epochs is a sum of fractions (epoch + batch / batches): a mark is
 # reached when the time is this close to it.

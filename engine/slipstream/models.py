@@ -10,8 +10,8 @@ import timm
 import torchvision
 from torch import nn
 
-from .errors import ConfigError, SlipstreamError, describe, did_you_mean, network_failure
-from .imports import call_with, import_object, is_import_path
+from slipstream.config.imports import call_with, import_object, is_import_path
+from slipstream.errors import ConfigError, SlipstreamError, describe, did_you_mean, network_failure
 
 
 def _timm_names() -> list[str]:

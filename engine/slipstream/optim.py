@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError
-from .imports import import_object, is_import_path
+from slipstream.config.imports import import_object, is_import_path
+from slipstream.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adamw", "adafactor")
 IMPLS = ("auto", "fused", "foreach", "for_loop")

@@ -13,7 +13,7 @@ import hashlib
 
 import torch
 
-from .state import State
+from slipstream.state import State
 
 
 def batch_seed(seed: int, rank: int, batch: int, stream: str = "") -> int:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .duration import Duration
+from slipstream.duration import Duration
 
 
 @dataclass
@@ -91,7 +91,7 @@ class State:
     varying_input_size: bool = False
     # What the FLOP counter (MFU) copies to the meta device in place of the model, set
     # at init by a plugin whose model cannot be copied once it has changed it (FSDP2
-    # refuses deepcopy): `slipstream.flops.meta_copy` of the model just before.
+    # refuses deepcopy): `slipstream.services.flops.meta_copy` of the model just before.
     flops_model: nn.Module | None = None
 
     # The algorithms of this run, in their resolved order.

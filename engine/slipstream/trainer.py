@@ -2,9 +2,9 @@
 
 Everything a technique changes happens in a plugin; the loop only moves batches,
 calls the step hooks and advances time. The rest of a run lives beside it: what a
-checkpoint holds and how a run resumes in :mod:`slipstream.checkpoint`, the summary
+checkpoint holds and how a run resumes in :mod:`slipstream.run.checkpoint`, the summary
 in :mod:`slipstream.services.summary`, the run directory's policy in
-:mod:`slipstream.rundir`, signals in :mod:`slipstream.interrupts`, and every
+:mod:`slipstream.run.directory`, signals in :mod:`slipstream.interrupts`, and every
 "every N" in :mod:`slipstream.interval`.
 """
 
@@ -21,24 +21,15 @@ import pluggy
 import torch
 from torch import nn
 
-from . import hookspecs
-from .algorithm import Algorithm
-from .callback import Callback
-from .checkpoint import (
-    checkpoint_payload,
-    config_differences,
-    load_checkpoint,
-    load_weights,
-    restore_checkpoint,
-)
-from .dispatch import bind, bind_event
-from .distributed import init_distributed, resolve_device
-from .duration import Duration
-from .errors import CheckpointError, ConfigError, PluginError
-from .interrupts import stop_on_signals
-from .options import AUTO, NormalizeOption, TrainerOptions, apply_process_settings, resolve_normalize
-from .peak_flops import parse_peak_tflops
-from .plugins import (
+from slipstream import hookspecs
+from slipstream.config.options import AUTO, NormalizeOption, TrainerOptions, apply_process_settings, resolve_normalize
+from slipstream.distributed import init_distributed, resolve_device
+from slipstream.duration import Duration
+from slipstream.errors import CheckpointError, ConfigError, PluginError
+from slipstream.interrupts import stop_on_signals
+from slipstream.plugins.algorithm import Algorithm
+from slipstream.plugins.callback import Callback
+from slipstream.plugins.discovery import (
     CALLBACKS_GROUP,
     ENTRY_POINT_GROUP,
     GROUPS,
@@ -53,8 +44,17 @@ from .plugins import (
     instantiate,
     resolve_order,
 )
-from .rundir import RunDir, choose_run_dir, prepare_run_dir
-from .services import (
+from slipstream.plugins.dispatch import bind, bind_event
+from slipstream.plugins.variants import choose_variants, print_choice
+from slipstream.run.checkpoint import (
+    checkpoint_payload,
+    config_differences,
+    load_checkpoint,
+    load_weights,
+    restore_checkpoint,
+)
+from slipstream.run.directory import RunDir, choose_run_dir, prepare_run_dir
+from slipstream.services import (
     Checkpointer,
     DefaultSteps,
     Evaluator,
@@ -65,13 +65,13 @@ from .services import (
     TargetAccuracy,
     Utilization,
 )
-from .services.batches import batch_mover
-from .services.divergence import DivergenceMonitor
-from .services.losses import TrainLosses
-from .services.summary import resume_summary
-from .services.target import check_target
-from .state import State, unwrap_model
-from .variants import choose_variants, print_choice
+from slipstream.services.batches import batch_mover
+from slipstream.services.divergence import DivergenceMonitor
+from slipstream.services.losses import TrainLosses
+from slipstream.services.peak_flops import parse_peak_tflops
+from slipstream.services.summary import resume_summary
+from slipstream.services.target import check_target
+from slipstream.state import State, unwrap_model
 
 
 class Trainer:
@@ -85,7 +85,7 @@ class Trainer:
     start_batch)`` (as Slipstream's own) gives an order that depends on the seed and
     epoch alone and resumes mid-epoch exactly.
 
-    The run-level keywords are :class:`~slipstream.options.TrainerOptions` (kept
+    The run-level keywords are :class:`~slipstream.config.options.TrainerOptions` (kept
     as ``self.options``): validated, then applied as the CLI applies them
     (threads, determinism, seeds), with ``normalize="auto"`` and a ``config.yaml``
     in the run directory. ``eval_interval=None`` means no evaluation and
@@ -442,7 +442,7 @@ class Trainer:
                 )
 
     def _bind_hooks(self) -> None:
-        """Look every hook up once (`slipstream.dispatch`): plain implementations are
+        """Look every hook up once (`slipstream.plugins.dispatch`): plain implementations are
         called directly; a per-batch event nobody implements is None, and the loop
         skips it."""
         for name in (*hookspecs.EVENTS, *hookspecs.STEPS):
@@ -528,7 +528,7 @@ class Trainer:
         return self.summary
 
     def _choose_variants(self, payload: dict[str, Any] | None) -> None:
-        """Measured ``auto`` (`slipstream.variants`): each algorithm that declares
+        """Measured ``auto`` (`slipstream.plugins.variants`): each algorithm that declares
         variants is told which to run before ``init``; a resumed run keeps the
         checkpoint's choice. Every rank runs rank 0's choice."""
         state = self.state

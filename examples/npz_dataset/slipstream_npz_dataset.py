@@ -15,8 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from slipstream.data import DataError, DataRequest, DatasetPlugin
-from slipstream.data.datasets import ImageArray
+from slipstream.data import DataError, DataRequest, DatasetPlugin, ImageArray
 
 
 @dataclass

@@ -18,7 +18,7 @@ from torch import nn
 
 from helpers import Probe, tiny_model, train
 from slipstream import ConfigError, Duration, State
-from slipstream.plugins import build_config, discover
+from slipstream.plugins.discovery import build_config, discover
 
 
 class Block(nn.Module):

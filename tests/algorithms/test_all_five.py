@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from helpers import Probe
-from slipstream.config import build_config
-from slipstream.runner import build_trainer
+from slipstream.cli.runner import build_trainer
+from slipstream.config.schema import build_config
 
 FIVE = "mixed_precision,channels_last,stepwise_lr,image_size_curriculum,gpu_augmentation"
 TINY = [

@@ -18,7 +18,7 @@ from slipstream_channels_last import (
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import Algorithm, ConfigError, Trainer, hookimpl
-from slipstream.plugins import build_config, discover
+from slipstream.plugins.discovery import build_config, discover
 
 CL = torch.channels_last
 # Always NHWC: these tests are about what the conversion does, not whether auto picks it.

@@ -15,7 +15,7 @@ from slipstream_mixup import Mixup, mix_targets
 from helpers import Probe, tiny_loaders
 from helpers import train as _train
 from slipstream import ConfigError, PluginError
-from slipstream.plugins import AlgorithmInfo, build_config, discover, resolve_order
+from slipstream.plugins.discovery import AlgorithmInfo, build_config, discover, resolve_order
 
 RAW_TRAIN, RAW_EVAL = (torch.cat([x for x, _ in loader]) for loader in tiny_loaders())
 LABELS = torch.cat([y for _, y in tiny_loaders()[0]])

@@ -8,7 +8,7 @@ from slipstream_ema import EMA, EMAConfig, ema_update, half_life_decay
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import Algorithm, ConfigError, Duration, State, Trainer, hookimpl
-from slipstream.plugins import build_config, discover
+from slipstream.plugins.discovery import build_config, discover
 
 
 def params(model: torch.nn.Module) -> list[torch.Tensor]:

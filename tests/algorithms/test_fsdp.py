@@ -29,7 +29,7 @@ from helpers import tiny_model
 from slipstream import CheckpointError, ConfigError, Trainer, load_checkpoint
 from slipstream.data import build_datasets, build_loader
 from slipstream.optim import build_optimizer
-from slipstream.plugins import build_config, discover
+from slipstream.plugins.discovery import build_config, discover
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 HERE = Path(__file__).parent

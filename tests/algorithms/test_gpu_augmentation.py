@@ -18,7 +18,7 @@ from slipstream_gpu_augmentation import (
 from helpers import Probe, tiny_loaders
 from helpers import train as _train
 from slipstream import Algorithm, ConfigError, Duration, State
-from slipstream.plugins import AlgorithmInfo, build_config, discover, resolve_order
+from slipstream.plugins.discovery import AlgorithmInfo, build_config, discover, resolve_order
 
 # Naming every algorithm of a run (probes included) in `installed` spares the engine
 # a scan of all installed distributions at each summary/checkpoint write, which

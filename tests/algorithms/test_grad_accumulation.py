@@ -19,7 +19,7 @@ from slipstream_grad_accumulation import (
 
 from helpers import Probe, tiny_loaders, tiny_model
 from slipstream import Algorithm, ConfigError, Trainer, hookimpl
-from slipstream.plugins import build_config, discover
+from slipstream.plugins.discovery import build_config, discover
 
 
 class RecordingBackward(Algorithm):

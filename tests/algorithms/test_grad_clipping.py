@@ -12,7 +12,7 @@ from slipstream_grad_clipping import GradClipping, GradClippingConfig, clip_grad
 
 from helpers import Probe, train
 from slipstream import ConfigError
-from slipstream.plugins import build_config, discover
+from slipstream.plugins.discovery import build_config, discover
 
 
 def small_model() -> torch.nn.Module:

@@ -15,7 +15,7 @@ from slipstream_image_size_curriculum import (
 
 from helpers import Probe, tiny_model, train
 from slipstream import ConfigError
-from slipstream.plugins import build_config, discover
+from slipstream.plugins.discovery import build_config, discover
 
 # tiny_loaders: 64 samples in batches of 16 = 4 batches per epoch.
 

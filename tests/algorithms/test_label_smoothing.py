@@ -11,7 +11,7 @@ from slipstream_label_smoothing import LabelSmoothing, LabelSmoothingConfig, smo
 from helpers import Probe, tiny_loaders
 from helpers import train as _train
 from slipstream import Algorithm, ConfigError, hookimpl
-from slipstream.plugins import AlgorithmInfo, build_config, discover
+from slipstream.plugins.discovery import AlgorithmInfo, build_config, discover
 
 # Naming every algorithm of a run (probes included) in `installed` spares the engine
 # a scan of all installed distributions at each summary/checkpoint write.

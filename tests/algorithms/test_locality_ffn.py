@@ -9,7 +9,7 @@ from slipstream_locality_ffn import LocalityAct, LocalityFFN, add_locality
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import ConfigError, Trainer
-from slipstream.plugins import build_config, discover
+from slipstream.plugins.discovery import build_config, discover
 
 
 def small_vit(**kwargs) -> torch.nn.Module:

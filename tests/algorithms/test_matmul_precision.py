@@ -15,7 +15,7 @@ from slipstream_matmul_precision import (
 
 from helpers import Probe, train
 from slipstream import ConfigError
-from slipstream.plugins import build_config, discover
+from slipstream.plugins.discovery import build_config, discover
 
 BEFORE = MatmulSettings(precision="highest", cudnn_tf32=False, cudnn_benchmark=False)
 

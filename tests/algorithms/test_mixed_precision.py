@@ -17,7 +17,7 @@ from slipstream_mixed_precision import (
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import ConfigError, Trainer
-from slipstream.plugins import build_config, discover
+from slipstream.plugins.discovery import build_config, discover
 
 
 def small_model() -> torch.nn.Module:

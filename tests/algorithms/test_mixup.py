@@ -14,7 +14,7 @@ from slipstream_mixup import Mixup, MixupConfig, draw_lambda, mix_targets, mixup
 from helpers import Probe, tiny_loaders
 from helpers import train as _train
 from slipstream import ConfigError
-from slipstream.plugins import AlgorithmInfo, build_config, discover
+from slipstream.plugins.discovery import AlgorithmInfo, build_config, discover
 
 RAW_TRAIN, RAW_EVAL = (torch.cat([x for x, _ in loader]) for loader in tiny_loaders())
 LABELS = torch.cat([y for _, y in tiny_loaders()[0]])

@@ -12,7 +12,7 @@ from slipstream_stepwise_lr import SCHEDULES, StepwiseLR, StepwiseLRConfig, lr_a
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import ConfigError, Trainer
-from slipstream.plugins import build_config, discover
+from slipstream.plugins.discovery import build_config, discover
 
 BASE = 0.05  # helpers.train's LR
 BATCHES_PER_EPOCH = 4  # helpers.tiny_loaders: 64 samples in batches of 16

@@ -27,7 +27,7 @@ from torch import nn
 
 from helpers import Probe, tiny_loaders
 from slipstream import Algorithm, ConfigError, Trainer, hookimpl
-from slipstream.plugins import build_config, discover
+from slipstream.plugins.discovery import build_config, discover
 
 OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
 

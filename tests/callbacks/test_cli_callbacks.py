@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from slipstream.cli import main
+from slipstream.cli.main import main
 
 TINY = [
     "model.name=test_resnet",
@@ -24,7 +24,7 @@ TINY = [
 # which heavy libraries that imported, then `slipstream train` with the given arguments.
 SCRIPT = """
 import json, sys
-from slipstream.cli import main
+from slipstream.cli.main import main
 listed = main(["callbacks", "--json"])
 loaded = sorted(m for m in ("mlflow", "wandb", "tensorboard") if m in sys.modules)
 print(json.dumps({"listed": listed, "loaded": loaded}))

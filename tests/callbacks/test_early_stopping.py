@@ -8,7 +8,7 @@ from slipstream_early_stopping import EarlyStopping, EarlyStoppingConfig, improv
 
 from helpers import train
 from slipstream import Algorithm, hookimpl, load_checkpoint
-from slipstream.cli import exit_code
+from slipstream.cli.main import exit_code
 
 
 class ScriptedEval(Algorithm):

@@ -16,7 +16,7 @@ from slipstream_mixed_precision import MixedPrecision, MixedPrecisionConfig
 from slipstream_torch_compile import TorchCompile, TorchCompileConfig
 
 from slipstream.models import build_model
-from slipstream.peak_flops import peak_flops
+from slipstream.services.peak_flops import peak_flops
 
 pytestmark = CUDA
 

@@ -1,4 +1,5 @@
-"""Datasets and deterministic loaders.
+"""Datasets and deterministic loaders; the API dataset plugins import (as algorithms
+import ``slipstream``).
 
 Every item is `(image, target)`: a uint8 C x H x W tensor (0-255) and an int class
 index. Batches stay uint8 through collate and transfer; the engine converts them to
@@ -31,6 +32,9 @@ _EXPORTS = {
     "build_dataset_plugin": "sources",
     "decode_rgb": "decode",
     "ResizeCrop": "decode",
+    "SkipLog": "decode",
+    "ImageArray": "datasets",
+    "StreamLoader": "stream",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .datasets import DATASET_STATS, build_datasets
-from .sources import DataRequest, DatasetPlugin
+from slipstream.data.datasets import DATASET_STATS, build_datasets
+from slipstream.data.sources import DataRequest, DatasetPlugin
 
 
 @dataclass

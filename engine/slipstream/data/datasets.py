@@ -22,9 +22,9 @@ try:  # deprecated since torchvision 0.29 (TorchCodec takes over); PIL when it i
 except ImportError:  # pragma: no cover - depends on the torchvision release
     decode_image = None
 
-from ..errors import describe, network_failure
-from .synthetic import SyntheticShapes
-from .unreadable import SkippingImageFolder
+from slipstream.data.synthetic import SyntheticShapes
+from slipstream.data.unreadable import SkippingImageFolder
+from slipstream.errors import describe, network_failure
 
 DATASET_NAMES: tuple[str, ...] = ("synthetic", "cifar10", "cifar100", "imagefolder")
 

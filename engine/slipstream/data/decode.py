@@ -20,7 +20,7 @@ try:  # deprecated since torchvision 0.29 (TorchCodec takes over); PIL when it i
 except ImportError:  # pragma: no cover - depends on the torchvision release
     decode_image = None
 
-from .datasets import DataError
+from slipstream.data.datasets import DataError
 
 MAX_NAMED = 10  # unreadable samples named per process; past that, one line says naming stopped
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .sampler import EpochSampler
+from slipstream.data.sampler import EpochSampler
 
 
 def seed_worker(worker_id: int) -> None:

@@ -19,8 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
-from ..errors import ConfigError, did_you_mean
-from ..plugin import Plugin
+from slipstream.errors import ConfigError, did_you_mean
+from slipstream.plugins.base import Plugin
 
 DATASETS_GROUP = "slipstream.datasets"
 
@@ -100,7 +100,7 @@ class DatasetPlugin(Plugin):
 
     def build(self, request: DataRequest) -> BuiltData:
         """The train and eval data of rank ``request.rank`` of ``request.world_size``."""
-        from .loaders import build_loader
+        from slipstream.data.loaders import build_loader
 
         train, val, num_classes = self.datasets(request)
         common = dict(
@@ -124,15 +124,15 @@ class DatasetPlugin(Plugin):
 
 
 def discover_datasets(load: bool = False) -> dict[str, Any]:
-    """Every installed dataset plugin, by name (see :func:`slipstream.plugins.discover`)."""
-    from ..plugins import discover
+    """Every installed dataset plugin, by name (see :func:`slipstream.plugins.discovery.discover`)."""
+    from slipstream.plugins.discovery import discover
 
     return discover(load=load, group=DATASETS_GROUP)
 
 
 def dataset_class(name: str, installed: dict[str, Any] | None = None) -> type[DatasetPlugin]:
     """The plugin registered as ``data.name=name``, or a ConfigError listing the installed ones."""
-    from ..plugins import algorithm_class
+    from slipstream.plugins.discovery import algorithm_class
 
     installed = discover_datasets() if installed is None else installed
     if name not in installed:
@@ -186,7 +186,7 @@ def build_dataset_plugin(data: dict[str, Any], installed: dict[str, Any] | None 
     Keys of the engine's DataConfig that this plugin does not read (e.g. ``root`` for
     synthetic) are left out: they have defaults, and a changed one is warned about.
     """
-    from ..config import DataConfig
+    from slipstream.config.schema import DataConfig
 
     cls = dataset_class(str(data.get("name")), installed)
     engine_keys = {f.name for f in dataclasses.fields(DataConfig)}

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .datasets import DataError
-from .decode import SkipLog
-from .sampler import epoch_seed
+from slipstream.data.datasets import DataError
+from slipstream.data.decode import SkipLog
+from slipstream.data.sampler import epoch_seed
 
 
 class ShardSource(Protocol):

@@ -22,7 +22,7 @@ class SkippingImageFolder(datasets.ImageFolder):
         self.skipped: list[str] = []  # per process: DataLoader workers keep their own
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
-        from .datasets import DataError  # that module builds this class: import late
+        from slipstream.data.datasets import DataError  # that module builds this class: import late
 
         for offset in range(len(self)):
             i = (index + offset) % len(self)

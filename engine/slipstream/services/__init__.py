@@ -3,15 +3,15 @@ techniques (normalisation, evaluation, metrics, MFU and memory, time to target,
 progress, checkpoints, summary).
 They sit on the same hook bus as every algorithm."""
 
-from .checkpoint import Checkpointer
-from .evaluation import Evaluator
-from .metrics import MetricsLogger
-from .normalize import Normalize
-from .progress import ProgressBar
-from .steps import DefaultSteps
-from .summary import SummaryWriter
-from .target import TargetAccuracy
-from .utilization import Utilization
+from slipstream.services.checkpointer import Checkpointer
+from slipstream.services.evaluation import Evaluator
+from slipstream.services.metrics import MetricsLogger
+from slipstream.services.normalize import Normalize
+from slipstream.services.progress import ProgressBar
+from slipstream.services.steps import DefaultSteps
+from slipstream.services.summary import SummaryWriter
+from slipstream.services.target import TargetAccuracy
+from slipstream.services.utilization import Utilization
 
 __all__ = [
     "Checkpointer",

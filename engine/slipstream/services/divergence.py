@@ -20,21 +20,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, describe
-from ..state import State
-from .losses import TrainLosses
-from .nonfinite import locate
-
-ON_NONFINITE = ("stop", "warn")
-
-
-def check_on_nonfinite(value: str) -> str:
-    """``value`` if it is a valid ``trainer.on_nonfinite``, else a ConfigError."""
-    if value not in ON_NONFINITE:
-        raise ConfigError(
-            f"trainer.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {value!r}"
-        )
-    return value
+from slipstream.config.options import check_on_nonfinite
+from slipstream.errors import describe
+from slipstream.services.losses import TrainLosses
+from slipstream.services.nonfinite import locate
+from slipstream.state import State
 
 
 def _number_text(value: float) -> str:

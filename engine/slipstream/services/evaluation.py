@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..duration import Duration
-from ..hookspecs import hookimpl
-from ..interval import RunInterval
-from ..state import State
-from .batches import to_device
+from slipstream.duration import Duration
+from slipstream.hookspecs import hookimpl
+from slipstream.interval import RunInterval
+from slipstream.services.batches import to_device
+from slipstream.state import State
 
 TOP_K = 5  # accuracy_top5: whether the target is among the 5 highest logits
 
@@ -44,7 +44,7 @@ class Evaluator:
         self.interval.start(state)
 
     def idle_hooks(self) -> frozenset[str]:
-        """Left out of the bound hooks (:mod:`slipstream.dispatch`): ``batch_end``
+        """Left out of the bound hooks (:mod:`slipstream.plugins.dispatch`): ``batch_end``
         when no evaluation can fall inside an epoch."""
         return frozenset() if self.interval.mid_epoch else frozenset({"batch_end"})
 

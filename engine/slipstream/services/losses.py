@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..hookspecs import hookimpl
-from ..state import State
+from slipstream.hookspecs import hookimpl
+from slipstream.state import State
 
 # Losses kept as references before they are stacked into one vector (on the device,
 # no sync), so that a long interval holds few Python objects.

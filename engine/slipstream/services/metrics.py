@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 
-from ..errors import describe_os_error
-from ..hookspecs import hookimpl
-from ..interval import Interval
-from ..rundir import METRICS, atomic_write_text, strict_json
-from ..state import State
-from .losses import TrainLosses
-from .utilization import Utilization
+from slipstream.errors import describe_os_error
+from slipstream.hookspecs import hookimpl
+from slipstream.interval import Interval
+from slipstream.run.directory import METRICS, atomic_write_text, strict_json
+from slipstream.services.losses import TrainLosses
+from slipstream.services.utilization import Utilization
+from slipstream.state import State
 
 # Seconds a record made at its interval may wait to be written with the next ones.
 FLUSH_S = 1.0

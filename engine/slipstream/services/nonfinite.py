@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..state import State
+from slipstream.state import State
 
 # Parameters named in the message (the summary keeps a longer list).
 SHOWN = 3
@@ -63,7 +63,7 @@ def conv_inputs(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tuple
     """Each convolution of ``model`` with the input shape it sees for a batch of
     ``input_shape``, found on a copy on the ``meta`` device (no compute, nothing of
     the model touched). Empty when the copy cannot run."""
-    from ..flops import meta_copy
+    from slipstream.services.flops import meta_copy
 
     try:
         copy = meta_copy(model)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..images import to_unit_float
-from ..state import State
+from slipstream.images import to_unit_float
+from slipstream.state import State
 
 
 class Normalize:

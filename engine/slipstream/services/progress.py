@@ -12,9 +12,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..hookspecs import hookimpl
-from ..interval import Interval
-from ..state import State
+from slipstream.hookspecs import hookimpl
+from slipstream.interval import Interval
+from slipstream.state import State
 
 REFRESH_S = 0.5  # seconds between redraws
 

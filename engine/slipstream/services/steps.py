@@ -10,10 +10,10 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ..distributed import is_distributed
-from ..errors import ConfigError
-from ..hookspecs import hookimpl
-from ..state import State
+from slipstream.distributed import is_distributed
+from slipstream.errors import ConfigError
+from slipstream.hookspecs import hookimpl
+from slipstream.state import State
 
 UNUSED_PARAMETERS = (
     "DistributedDataParallel: some of the model's parameters got no gradient in the previous "

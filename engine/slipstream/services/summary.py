@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from ..errors import describe_os_error
-from ..hookspecs import hookimpl
-from ..peak_flops import device_label
-from ..rundir import SUMMARY, atomic_write_text, strict_json
-from ..state import State
-from ..versions import library_versions
-from .target import TargetAccuracy
-from .utilization import Utilization
+from slipstream.errors import describe_os_error
+from slipstream.hookspecs import hookimpl
+from slipstream.run.directory import SUMMARY, atomic_write_text, strict_json
+from slipstream.run.versions import library_versions
+from slipstream.services.peak_flops import device_label
+from slipstream.services.target import TargetAccuracy
+from slipstream.services.utilization import Utilization
+from slipstream.state import State
 
 
 class SummaryWriter:

@@ -3,33 +3,10 @@ runs do): the speed claim of a technique is the time to reach the same accuracy.
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..errors import ConfigError
-from ..hookspecs import hookimpl
-from ..state import State
+from slipstream.hookspecs import hookimpl
+from slipstream.state import State
 
 STATUS = "target_reached"
-
-
-def check_target(target_accuracy: Any, stop_at_target: Any) -> float | None:
-    """Validate ``trainer.target_accuracy`` / ``trainer.stop_at_target``; returns the
-    target as a float (None when not set)."""
-    if not isinstance(stop_at_target, bool):
-        raise ConfigError(f"trainer.stop_at_target must be true or false, got {stop_at_target!r}")
-    if target_accuracy is None:
-        if stop_at_target:
-            raise ConfigError(
-                "trainer.stop_at_target needs trainer.target_accuracy, e.g. trainer.target_accuracy=0.9"
-            )
-        return None
-    number = isinstance(target_accuracy, (int, float)) and not isinstance(target_accuracy, bool)
-    if not number or not 0 < target_accuracy <= 1:
-        raise ConfigError(
-            "trainer.target_accuracy must be a fraction in (0, 1] (0.9 for 90 %), "
-            f"got {target_accuracy!r}"
-        )
-    return float(target_accuracy)
 
 
 class TargetAccuracy:

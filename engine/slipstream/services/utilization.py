@@ -4,9 +4,9 @@ MFU (model FLOPs utilisation) is the training FLOPs the model needs per second o
 training, over the device's peak FLOP/s in the dtype the run computes in: the bf16
 peak under bf16 autocast, fp32 otherwise (``state.compute_dtype``, which precision
 plugins set). FLOPs per sample are counted once per input size, on a meta copy of
-the model (:mod:`slipstream.flops`), so an image-size curriculum is counted at each
+the model (:mod:`slipstream.services.flops`), so an image-size curriculum is counted at each
 size it uses; the count takes no training time (``state.untimed``) and changes
-nothing in the run. The peak comes from :mod:`slipstream.peak_flops`, probed in
+nothing in the run. The peak comes from :mod:`slipstream.services.peak_flops`, probed in
 ``init``, before the run's clock starts.
 """
 
@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from ..flops import training_flops_per_sample
-from ..hookspecs import hookimpl
-from ..memory import PeakMemory
-from ..peak_flops import Peak, dtype_name, peak_flops, raise_peak
-from ..state import State
+from slipstream.errors import ConfigError
+from slipstream.hookspecs import hookimpl
+from slipstream.services.flops import training_flops_per_sample
+from slipstream.services.memory import PeakMemory
+from slipstream.services.peak_flops import Peak, dtype_name, peak_flops, raise_peak
+from slipstream.state import State
 
 _UNSEEN = object()  # equal to no shape
 
@@ -35,7 +35,7 @@ class Utilization:
     def __init__(
         self, peak_tflops: dict[str, float] | None = None, *, verbose: bool = False
     ) -> None:
-        """``peak_tflops``: FLOP/s per dtype from :func:`slipstream.peak_flops.parse_peak_tflops`
+        """``peak_tflops``: FLOP/s per dtype from :func:`slipstream.services.peak_flops.parse_peak_tflops`
         (None: probe the device, or read the cache)."""
         self.configured = peak_tflops
         self.verbose = verbose

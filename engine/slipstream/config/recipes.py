@@ -6,7 +6,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from .errors import ConfigError, did_you_mean
+from slipstream.errors import ConfigError, did_you_mean
 
 DEFAULT_RECIPE = "default"
 

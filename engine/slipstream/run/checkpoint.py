@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError, describe
-from .rundir import LATEST, RunDir, atomic_write, fsync_dir, write_failure
-from .state import State
-from .versions import library_versions
+from slipstream.errors import CheckpointError, describe
+from slipstream.run.directory import LATEST, RunDir, atomic_write, fsync_dir, write_failure
+from slipstream.run.versions import library_versions
+from slipstream.state import State
 
-FORMAT = "slipstream.checkpoint"
+FORMAT = "slipstream.run.checkpoint"
 FORMAT_VERSION = 1
 
 

@@ -16,12 +16,12 @@ import pluggy
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .algorithm import Algorithm
-from .callback import Callback
-from .data.sources import BUILTIN_SUMMARIES, DATASETS_GROUP, DatasetPlugin
-from .errors import ConfigError, PluginError, did_you_mean
-from .hookspecs import STEPS
-from .plugin import Plugin
+from slipstream.data.sources import BUILTIN_SUMMARIES, DATASETS_GROUP, DatasetPlugin
+from slipstream.errors import ConfigError, PluginError, did_you_mean
+from slipstream.hookspecs import STEPS
+from slipstream.plugins.algorithm import Algorithm
+from slipstream.plugins.base import Plugin
+from slipstream.plugins.callback import Callback
 
 ENTRY_POINT_GROUP = "slipstream.algorithms"
 CALLBACKS_GROUP = "slipstream.callbacks"

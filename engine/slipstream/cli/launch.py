@@ -14,7 +14,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from slipstream.errors import ConfigError
 
 
 @dataclass

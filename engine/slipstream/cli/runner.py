@@ -6,17 +6,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from .config import to_dict
-from .data.datasets import DataError
-from .data.sources import DataRequest, build_dataset_plugin
-from .distributed import from_rank0, init_distributed, resolve_device
-from .errors import ConfigError
-from .models import build_loss, build_model
-from .optim import build_optimizer
-from .options import TrainerOptions, apply_process_settings
-from .plugins import CALLBACKS_GROUP, AlgorithmInfo, discover, instantiate
-from .rundir import new_run_dir
-from .trainer import Trainer
+from slipstream.config.options import TrainerOptions, apply_process_settings
+from slipstream.config.schema import to_dict
+from slipstream.data.datasets import DataError
+from slipstream.data.sources import DataRequest, build_dataset_plugin
+from slipstream.distributed import from_rank0, init_distributed, resolve_device
+from slipstream.errors import ConfigError
+from slipstream.models import build_loss, build_model
+from slipstream.optim import build_optimizer
+from slipstream.plugins.discovery import CALLBACKS_GROUP, AlgorithmInfo, discover, instantiate
+from slipstream.run.directory import new_run_dir
+from slipstream.trainer import Trainer
 
 
 def default_run_dir(label: str) -> Path:

@@ -27,7 +27,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import (
+from slipstream.config.options import BEST_METRICS, check_best_metric
+from slipstream.duration import Duration
+from slipstream.errors import CheckpointError
+from slipstream.hookspecs import hookimpl
+from slipstream.interval import RunInterval
+from slipstream.run.checkpoint import (
     load_checkpoint,
     local_tensors,
     nonfinite_tensors,
@@ -35,27 +40,11 @@ from ..checkpoint import (
     save_shards,
     sharded_parts,
 )
-from ..duration import Duration
-from ..errors import CheckpointError, ConfigError
-from ..hookspecs import hookimpl
-from ..interval import RunInterval
-from ..rundir import RunDir
-from ..state import State
+from slipstream.run.directory import RunDir
+from slipstream.state import State
+
 
 # The metrics best.pt may monitor, and whether higher is better.
-BEST_METRICS = {"accuracy": True, "accuracy_top5": True, "loss": False}
-
-
-def check_best_metric(value: str | None) -> str | None:
-    """``value`` if it is a valid ``trainer.best_metric`` (null: no best.pt), else a ConfigError."""
-    if value is not None and value not in BEST_METRICS:
-        raise ConfigError(
-            f"trainer.best_metric must be one of {', '.join(BEST_METRICS)} (of the eval records) "
-            f"or null for no best.pt, got {value!r}"
-        )
-    return value
-
-
 class Checkpointer:
     name = "engine.checkpoint"
 
@@ -95,7 +84,7 @@ class Checkpointer:
                 state.summary["best_checkpoint"] = saved
 
     def idle_hooks(self) -> frozenset[str]:
-        """Left out of the bound hooks (:mod:`slipstream.dispatch`): ``batch_end``
+        """Left out of the bound hooks (:mod:`slipstream.plugins.dispatch`): ``batch_end``
         when no checkpoint can fall inside an epoch."""
         return frozenset() if self.interval.mid_epoch else frozenset({"batch_end"})
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from .plugin import Plugin
+from slipstream.plugins.base import Plugin
 
 
 class Callback(Plugin):

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import (
+from slipstream.errors import (
     ConfigError,
     ConfigWarning,
     SlipstreamError,
@@ -336,9 +336,9 @@ def _show_warning(default: Any) -> Any:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .config import build_config
-    from .recipes import DEFAULT_RECIPE
-    from .runner import build_trainer
+    from slipstream.cli.runner import build_trainer
+    from slipstream.config.recipes import DEFAULT_RECIPE
+    from slipstream.config.schema import build_config
 
     recipe = args.recipe or DEFAULT_RECIPE
     cfg = build_config(recipe, args.algorithms, args.overrides, callbacks=args.callbacks)
@@ -370,9 +370,9 @@ def _train(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace, cfg: Any) -> int:
     """Validate what the workers would build, then start them (torch.distributed.run)."""
-    from .config import to_dict
-    from .launch import LaunchOptions, launch
-    from .plugins import CALLBACKS_GROUP, discover, instantiate, resolve_order
+    from slipstream.cli.launch import LaunchOptions, launch
+    from slipstream.config.schema import to_dict
+    from slipstream.plugins.discovery import CALLBACKS_GROUP, discover, instantiate, resolve_order
 
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
         raise ConfigError(
@@ -430,13 +430,13 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def _algorithms(args: argparse.Namespace) -> int:
-    from .plugins import ENTRY_POINT_GROUP
+    from slipstream.plugins.discovery import ENTRY_POINT_GROUP
 
     return print_plugin_listing(ENTRY_POINT_GROUP, "algorithms", check=args.check, as_json=args.json)
 
 
 def _callbacks(args: argparse.Namespace) -> int:
-    from .plugins import CALLBACKS_GROUP
+    from slipstream.plugins.discovery import CALLBACKS_GROUP
 
     return print_plugin_listing(CALLBACKS_GROUP, "callbacks", check=args.check, as_json=args.json)
 
@@ -447,7 +447,7 @@ def print_plugin_listing(group: str, kind: str, *, check: bool, as_json: bool) -
     From the distributions' metadata, importing no plugin unless ``check``: the
     listing then costs a fraction of ``import torch``.
     """
-    from .plugins import list_installed
+    from slipstream.plugins.discovery import list_installed
 
     infos = list_installed(group, check=check)
     if as_json:
@@ -474,12 +474,12 @@ def print_plugin_listing(group: str, kind: str, *, check: bool, as_json: bool) -
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from .errors import ConfigError
-    from .recipes import DEFAULT_RECIPE
-    from .rundir import new_run_dir
+    from slipstream.config.recipes import DEFAULT_RECIPE
+    from slipstream.errors import ConfigError
+    from slipstream.run.directory import new_run_dir
 
     try:
-        from .sweep import run_sweep
+        from slipstream.cli.sweep import run_sweep
     except ImportError as exc:
         raise ConfigError(
             f"slipstream sweep needs optuna ({exc}); install it with: pip install 'slipstream[sweep]'"
@@ -513,7 +513,7 @@ def _default_eval_output(checkpoint: Path) -> Path:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .inference import evaluate_checkpoint
+    from slipstream.run.inference import evaluate_checkpoint
 
     weights = _weights(args)
     checkpoint = Path(args.checkpoint)
@@ -530,7 +530,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .inference import export_checkpoint
+    from slipstream.run.inference import export_checkpoint
 
     result = export_checkpoint(
         Path(args.checkpoint),
@@ -546,7 +546,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _recipes(args: argparse.Namespace) -> int:
-    from .recipes import bundled, description
+    from slipstream.config.recipes import bundled, description
 
     recipes = bundled()
     if args.json:
@@ -567,7 +567,7 @@ def _recipes(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from .results import load_run, plot_runs
+    from slipstream.run.results import load_run, plot_runs
 
     runs = [load_run(Path(p)) for p in args.runs]
     out = args.output or (Path(args.runs[0]) / "plot.png" if len(runs) == 1 else Path("runs.png"))
@@ -576,7 +576,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from .results import compare_runs, compare_runs_json, load_run
+    from slipstream.run.results import compare_runs, compare_runs_json, load_run
 
     runs = [load_run(Path(p)) for p in args.runs]
     if args.json:
@@ -587,7 +587,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _datasets(args: argparse.Namespace) -> int:
-    from .data.sources import DATASETS_GROUP
+    from slipstream.data.sources import DATASETS_GROUP
 
     return print_plugin_listing(DATASETS_GROUP, "datasets", check=args.check, as_json=args.json)
 
@@ -607,7 +607,7 @@ def parse_size(text: str) -> int:
 
 
 def _data(args: argparse.Namespace) -> int:
-    from .data.sources import dataset_class
+    from slipstream.data.sources import dataset_class
 
     if args.data_command != "convert":
         print("slipstream: error: say what to do: slipstream data convert ...", file=sys.stderr)
@@ -626,7 +626,7 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def _compatibility(args: argparse.Namespace) -> int:
-    from .compat import compatibility_command
+    from slipstream.plugins.compatibility import compatibility_command
 
     return compatibility_command(
         out=args.out,

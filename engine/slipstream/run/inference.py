@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import load_checkpoint, select_weights, weights_in
-from .errors import CheckpointError, ConfigError
-from .rundir import atomic_write_text
+from slipstream.errors import CheckpointError, ConfigError
+from slipstream.run.checkpoint import load_checkpoint, select_weights, weights_in
+from slipstream.run.directory import atomic_write_text
 
 FORMATS = ("torchscript", "onnx", "exported-program")
 _RECORDING_SERVICES = (
@@ -50,7 +50,7 @@ class Rebuilt:
     def inputs(self, count: int = 2) -> torch.Tensor:
         """``count`` eval inputs as the model receives them (on the device,
         normalised, in the run's memory format)."""
-        from .services.batches import to_device
+        from slipstream.services.batches import to_device
 
         state = self.trainer.state
         loader = state.eval_loader if state.eval_loader is not None else state.train_loader
@@ -69,10 +69,10 @@ def rebuild(
     run_dir: str | Path | None = None,
 ) -> Rebuilt:
     """The run that wrote ``checkpoint``, rebuilt on this machine with ``weights``
-    (``model`` or one that :func:`slipstream.checkpoint.weights_in` lists) loaded."""
-    from .config import build_config, to_dict
-    from .plugins import algorithm_class, discover
-    from .runner import build_trainer
+    (``model`` or one that :func:`slipstream.run.checkpoint.weights_in` lists) loaded."""
+    from slipstream.cli.runner import build_trainer
+    from slipstream.config.schema import build_config, to_dict
+    from slipstream.plugins.discovery import algorithm_class, discover
 
     payload = load_checkpoint(checkpoint)
     saved = payload.get("config") or {}
@@ -80,7 +80,7 @@ def rebuild(
         raise CheckpointError(
             f"checkpoint {checkpoint} was written by a Trainer built in Python (its config "
             "names no dataset): rebuild the model yourself and load it with "
-            "slipstream.checkpoint.load_weights"
+            "slipstream.run.checkpoint.load_weights"
         )
     select_weights(payload, weights, checkpoint)  # a missing kind fails before any work
     trainer_saved = dict(saved.get("trainer") or {})
@@ -111,7 +111,7 @@ def rebuild(
     for name in _RECORDING_SERVICES:
         if trainer.pm.has_plugin(name):
             trainer.pm.unregister(name=name)
-    from .checkpoint import load_weights
+    from slipstream.run.checkpoint import load_weights
 
     load_weights(state.unwrapped_model, checkpoint, weights=weights, payload=payload)
     state.unwrapped_model.eval()

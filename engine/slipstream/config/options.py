@@ -19,10 +19,8 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from .duration import Duration, DurationError
-from .errors import ConfigError
-from .services.checkpoint import check_best_metric
-from .services.divergence import check_on_nonfinite
+from slipstream.duration import Duration, DurationError
+from slipstream.errors import ConfigError
 
 # `normalize="auto"`: the statistics of a dataset Slipstream knows, else none.
 AUTO = "auto"
@@ -31,6 +29,94 @@ AUTO = "auto"
 INT64 = (-(2**63), 2**63 - 1)
 
 NormalizeOption = Union[str, tuple[Sequence[float], Sequence[float]], None]
+
+
+# The dtypes by the names configs use (peak_tflops, plugins' dtype options).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CACHE_FILE = Path("slipstream") / "peak_flops.json"
+PROBE_SECONDS = 0.25  # per dtype, after sizing up
+MIN_MATMUL_SECONDS = 0.02  # one matmul at least this long, so the clock resolves it
+MAX_SIZE = {"cpu": 2048, "cuda": 8192}
+
+
+# -- validators of trainer keys that the engine's services act on ---------------------
+
+
+BEST_METRICS = {"accuracy": True, "accuracy_top5": True, "loss": False}
+
+
+def check_best_metric(value: str | None) -> str | None:
+    """``value`` if it is a valid ``trainer.best_metric`` (null: no best.pt), else a ConfigError."""
+    if value is not None and value not in BEST_METRICS:
+        raise ConfigError(
+            f"trainer.best_metric must be one of {', '.join(BEST_METRICS)} (of the eval records) "
+            f"or null for no best.pt, got {value!r}"
+        )
+    return value
+
+
+ON_NONFINITE = ("stop", "warn")
+
+
+def check_on_nonfinite(value: str) -> str:
+    """``value`` if it is a valid ``trainer.on_nonfinite``, else a ConfigError."""
+    if value not in ON_NONFINITE:
+        raise ConfigError(
+            f"trainer.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {value!r}"
+        )
+    return value
+
+
+def check_target(target_accuracy: Any, stop_at_target: Any) -> float | None:
+    """Validate ``trainer.target_accuracy`` / ``trainer.stop_at_target``; returns the
+    target as a float (None when not set)."""
+    if not isinstance(stop_at_target, bool):
+        raise ConfigError(f"trainer.stop_at_target must be true or false, got {stop_at_target!r}")
+    if target_accuracy is None:
+        if stop_at_target:
+            raise ConfigError(
+                "trainer.stop_at_target needs trainer.target_accuracy, e.g. trainer.target_accuracy=0.9"
+            )
+        return None
+    number = isinstance(target_accuracy, (int, float)) and not isinstance(target_accuracy, bool)
+    if not number or not 0 < target_accuracy <= 1:
+        raise ConfigError(
+            "trainer.target_accuracy must be a fraction in (0, 1] (0.9 for 90 %), "
+            f"got {target_accuracy!r}"
+        )
+    return float(target_accuracy)
+
+
+def parse_peak_tflops(value: Any, source: str = "trainer.peak_tflops") -> dict[str, float] | None:
+    """A ``peak_tflops`` setting as FLOP/s per dtype name (``"*"`` for a single number
+    that holds for every dtype); None stays None (probe)."""
+    if value is None:
+        return None
+    allowed = ", ".join(DTYPES)
+    if isinstance(value, dict):
+        items = dict(value)
+        if not items:
+            raise ConfigError(f"{source} is empty; give a number or a value for some of {allowed}")
+    elif _positive(value):
+        items = {"*": value}
+    else:
+        raise ConfigError(
+            f"{source} must be a positive number of TFLOP/s or a mapping of {allowed} to "
+            f"positive numbers, got {value!r}"
+        )
+    parsed = {}
+    for name, tflops in items.items():
+        if name != "*" and name not in DTYPES:
+            raise ConfigError(f"{source}: unknown dtype {name!r}; allowed: {allowed}")
+        if not _positive(tflops):
+            raise ConfigError(f"{source}.{name} must be a positive number of TFLOP/s, got {tflops!r}")
+        parsed[name] = float(tflops) * 1e12
+    return parsed
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
 
 
 @dataclass
@@ -74,7 +160,7 @@ class TrainerOptions:
     # DistributedDataParallel options of the default wrap (several processes only):
     # bucket_cap_mb, static_graph, find_unused_parameters.
     ddp: Mapping[str, Any] | None = None
-    # Measured auto (slipstream.variants): the variants plugins declare (bf16 or fp32,
+    # Measured auto (slipstream.plugins.variants): the variants plugins declare (bf16 or fp32,
     # NHWC or NCHW) are timed at fit start, or taken from the cache; false: each
     # plugin's fallback, unmeasured. Warm-up and timed training steps per combination.
     autotune: bool = True
@@ -304,7 +390,7 @@ def dataset_stats(data: Any) -> tuple[Sequence[float], Sequence[float]] | None:
     torchvision's CIFAR-10/100 and ImageFolder datasets; None otherwise."""
     from torchvision import datasets
 
-    from .data import DATASET_STATS, SyntheticShapes
+    from slipstream.data import DATASET_STATS, SyntheticShapes
 
     dataset = getattr(data, "dataset", data)
     # CIFAR100 subclasses CIFAR10, so it is checked first.

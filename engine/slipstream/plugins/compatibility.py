@@ -39,11 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .algorithm import Algorithm
-from .errors import ConfigError, SlipstreamError
-from .hookspecs import hookimpl
-from .plugins import build_config, discover
-from .state import State
+from slipstream.errors import ConfigError, SlipstreamError
+from slipstream.hookspecs import hookimpl
+from slipstream.plugins.algorithm import Algorithm
+from slipstream.plugins.discovery import build_config, discover
+from slipstream.state import State
 
 OPTIMIZERS = ("sgd", "adamw", "adafactor")
 WRAPS = ("ddp", "fsdp")
@@ -255,7 +255,7 @@ def load_file_plugin(spec: str) -> type[Algorithm]:
 def tiny_model(kind: str) -> nn.Module:
     """A seeded tiny timm model: ``cnn`` (test_resnet) or ``vit`` (test_vit, 8 px
     patches, dynamic image size)."""
-    from .models import build_model
+    from slipstream.models import build_model
 
     torch.manual_seed(0)
     if kind == "cnn":
@@ -268,7 +268,7 @@ _DATA: dict[int, Any] = {}
 
 def _datasets(size: int) -> tuple[Any, Any]:
     if size not in _DATA:
-        from .data import build_datasets
+        from slipstream.data import build_datasets
 
         train, val, _ = build_datasets(
             "synthetic", image_size=size, num_classes=NUM_CLASSES,
@@ -300,9 +300,9 @@ def train_once(
 ) -> Observed:
     """Train ``combo`` for :data:`BATCHES` batches (checkpoints every 2, evaluated at
     the end), or resume it from ``load``. Raises what set-up or the run raises."""
-    from .data import build_loader
-    from .optim import build_optimizer
-    from .trainer import Trainer
+    from slipstream.data import build_loader
+    from slipstream.optim import build_optimizer
+    from slipstream.trainer import Trainer
 
     settings = settings or {}
     # Each run compiles afresh: the last run's graphs would count against dynamo's
@@ -360,20 +360,20 @@ def _quick() -> Iterator[None]:
 
     with (
         mock.patch("slipstream.services.utilization.training_flops_per_sample", return_value=0.0),
-        mock.patch("slipstream.memory.gc.collect", return_value=0),
-        mock.patch("slipstream.rundir.os.fsync"),
+        mock.patch("slipstream.services.memory.gc.collect", return_value=0),
+        mock.patch("slipstream.run.directory.os.fsync"),
     ):
         yield
 
 
 def _latest_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from .checkpoint import load_checkpoint
+    from slipstream.run.checkpoint import load_checkpoint
 
     return load_checkpoint(run_dir / "checkpoints" / "latest.pt")["model"]
 
 
 def _mid_checkpoint(run_dir: Path) -> Path:
-    from .rundir import RunDir
+    from slipstream.run.directory import RunDir
 
     return RunDir(run_dir).checkpoint(0, 2)
 
@@ -601,7 +601,7 @@ def run_distributed(
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-         f"--master_port={port}", "-m", "slipstream.compat", str(spec_path)],
+         f"--master_port={port}", "-m", "slipstream.plugins.compatibility", str(spec_path)],
         capture_output=True, text=True, timeout=timeout, env=env,
     )
     out = workdir / "distributed.results.json"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import ConfigError
+from slipstream.errors import ConfigError
 
 
 def is_import_path(name: str) -> bool:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from .plugin import Plugin
+from slipstream.plugins.base import Plugin
 
 if TYPE_CHECKING:
-    from .state import State
-    from .variants import Variant
+    from slipstream.plugins.variants import Variant
+    from slipstream.state import State
 
 
 class Algorithm(Plugin):
@@ -28,7 +28,7 @@ class Algorithm(Plugin):
     Hooks are plain methods decorated with :data:`slipstream.hookimpl`. State that
     must survive a checkpoint goes through ``state_dict`` / ``load_state_dict``.
 
-    Measured ``auto`` (:mod:`slipstream.variants`): an algorithm whose setting leaves
+    Measured ``auto`` (:mod:`slipstream.plugins.variants`): an algorithm whose setting leaves
     a choice the run's own step should decide (bf16 or fp32, NHWC or NCHW, a fused
     kernel or not) returns its options from :meth:`variants`; the engine times them on
     copies at fit start and calls :meth:`use_variant` with the winner before ``init``.
@@ -47,7 +47,7 @@ class Algorithm(Plugin):
         """The variants this algorithm can run in on this run (``state`` has the
         device, model and optimizer; ``init`` has not run), the first its fallback
         where nothing is measured. Empty (the default) or one variant: nothing to
-        choose, as where an explicit setting fixes it. A :class:`~slipstream.variants.Variant`
+        choose, as where an explicit setting fixes it. A :class:`~slipstream.plugins.variants.Variant`
         with a ``margin`` is taken only where it is that much faster."""
         del state
         return ()

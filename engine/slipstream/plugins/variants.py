@@ -45,9 +45,9 @@ import numpy as np
 import pluggy
 import torch
 
-from . import hookspecs
-from .peak_flops import device_label, machine_key
-from .state import State, unwrap_model
+from slipstream import hookspecs
+from slipstream.services.peak_flops import device_label, machine_key
+from slipstream.state import State, unwrap_model
 
 __all__ = [
     "CACHE_FILE",

@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from . import rundir
+from slipstream.run import directory as rundir
 
 __all__ = [
     "ResultsError",

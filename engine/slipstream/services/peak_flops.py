@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from slipstream.config.options import DTYPES, parse_peak_tflops
 
 __all__ = [
     "DTYPES",
@@ -36,7 +36,6 @@ __all__ = [
     "probe_dtypes",
 ]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CACHE_FILE = Path("slipstream") / "peak_flops.json"
 PROBE_SECONDS = 0.25  # per dtype, after sizing up
 MIN_MATMUL_SECONDS = 0.02  # one matmul at least this long, so the clock resolves it
@@ -73,37 +72,6 @@ def probe_dtypes(device: torch.device) -> list[str]:
             names.insert(1, "bf16")
         return names
     return ["fp32", "bf16"]
-
-
-def parse_peak_tflops(value: Any, source: str = "trainer.peak_tflops") -> dict[str, float] | None:
-    """A ``peak_tflops`` setting as FLOP/s per dtype name (``"*"`` for a single number
-    that holds for every dtype); None stays None (probe)."""
-    if value is None:
-        return None
-    allowed = ", ".join(DTYPES)
-    if isinstance(value, dict):
-        items = dict(value)
-        if not items:
-            raise ConfigError(f"{source} is empty; give a number or a value for some of {allowed}")
-    elif _positive(value):
-        items = {"*": value}
-    else:
-        raise ConfigError(
-            f"{source} must be a positive number of TFLOP/s or a mapping of {allowed} to "
-            f"positive numbers, got {value!r}"
-        )
-    parsed = {}
-    for name, tflops in items.items():
-        if name != "*" and name not in DTYPES:
-            raise ConfigError(f"{source}: unknown dtype {name!r}; allowed: {allowed}")
-        if not _positive(tflops):
-            raise ConfigError(f"{source}.{name} must be a positive number of TFLOP/s, got {tflops!r}")
-        parsed[name] = float(tflops) * 1e12
-    return parsed
-
-
-def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def cache_path() -> Path:

@@ -34,14 +34,14 @@ from optuna.distributions import (
 )
 from optuna.trial import TrialState
 
-from .config import build_config, known_num_classes, to_dict
-from .errors import ConfigError, did_you_mean
-from .hookspecs import hookimpl
-from .optim import OPTIMIZERS
-from .plugins import CALLBACKS_GROUP, discover, instantiate
-from .rundir import atomic_write_text
-from .runner import build_trainer
-from .state import State
+from slipstream.cli.runner import build_trainer
+from slipstream.config.schema import build_config, known_num_classes, to_dict
+from slipstream.errors import ConfigError, did_you_mean
+from slipstream.hookspecs import hookimpl
+from slipstream.optim import OPTIMIZERS
+from slipstream.plugins.discovery import CALLBACKS_GROUP, discover, instantiate
+from slipstream.run.directory import atomic_write_text
+from slipstream.state import State
 
 STUDY_DB = "study.db"
 TRIALS_CSV = "trials.csv"

@@ -37,7 +37,7 @@ from typing import IO, Any
 
 import yaml
 
-from .errors import ConfigError
+from slipstream.errors import ConfigError
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"

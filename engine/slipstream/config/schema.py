@@ -15,11 +15,9 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .errors import ConfigError, ConfigWarning, did_you_mean
-from .options import INT64, TrainerOptions
-from .peak_flops import parse_peak_tflops
-from .recipes import find_recipe
-from .services.target import check_target
+from slipstream.config.options import INT64, TrainerOptions, check_target, parse_peak_tflops
+from slipstream.config.recipes import find_recipe
+from slipstream.errors import ConfigError, ConfigWarning, did_you_mean
 
 
 @dataclass
@@ -220,7 +218,7 @@ def check_keys(cfg: dict[str, Any], source: str) -> None:
 
 def dataset_plugin_keys() -> list[str]:
     """Every data.* key some installed dataset plugin declares (imports the plugins)."""
-    from .data.sources import dataset_keys, discover_datasets
+    from slipstream.data.sources import dataset_keys, discover_datasets
 
     keys: list[str] = []
     for info in discover_datasets(load=True).values():
@@ -232,7 +230,7 @@ def dataset_plugin_keys() -> list[str]:
 def check_data(cfg: DictConfig) -> None:
     """``data.name`` is an installed dataset plugin and the data keys it declares are
     valid; a key only another dataset reads is an error naming the chosen one."""
-    from .data.sources import build_dataset_plugin
+    from slipstream.data.sources import build_dataset_plugin
 
     build_dataset_plugin(_plain(cfg.data))
 
@@ -339,7 +337,7 @@ def _remove_plugin(plugins: dict[str, Any], name: str, source: str, section: str
     if name in plugins:
         del plugins[name]
         return
-    from .plugins import discover
+    from slipstream.plugins.discovery import discover
 
     installed = discover(load=False, group=PLUGIN_SECTIONS[section])
     if name not in installed:
