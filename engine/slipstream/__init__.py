@@ -36,7 +36,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from slipstream.config.options import TrainerOptions
+    from slipstream.config.options import DTYPES, TrainerOptions
     from slipstream.duration import Duration, DurationError, parse_duration_option
     from slipstream.errors import CheckpointError, ConfigError, PluginError, SlipstreamError
     from slipstream.hookspecs import NOT_MINE, hookimpl
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from slipstream.run.directory import RunDir
     from slipstream.run.tracking import flatten, numbers
     from slipstream.seeds import batch_generator, batch_seed
-    from slipstream.services.peak_flops import DTYPES
     from slipstream.state import State, Timestamp, unwrap_model
     from slipstream.trainer import Trainer
 

@@ -22,7 +22,15 @@ import torch
 from torch import nn
 
 from slipstream import hookspecs
-from slipstream.config.options import AUTO, NormalizeOption, TrainerOptions, apply_process_settings, resolve_normalize
+from slipstream.config.options import (
+    AUTO,
+    NormalizeOption,
+    TrainerOptions,
+    apply_process_settings,
+    check_target,
+    parse_peak_tflops,
+    resolve_normalize,
+)
 from slipstream.distributed import init_distributed, resolve_device
 from slipstream.duration import Duration
 from slipstream.errors import CheckpointError, ConfigError, PluginError
@@ -68,9 +76,7 @@ from slipstream.services import (
 from slipstream.services.batches import batch_mover
 from slipstream.services.divergence import DivergenceMonitor
 from slipstream.services.losses import TrainLosses
-from slipstream.services.peak_flops import parse_peak_tflops
 from slipstream.services.summary import resume_summary
-from slipstream.services.target import check_target
 from slipstream.state import State, unwrap_model
 
 
