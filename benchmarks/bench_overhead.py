@@ -7,9 +7,6 @@ small steps, where anything the engine adds per batch shows. The hand-written lo
     Trainer + progress bar the same with the tqdm bar drawing (to /dev/null)
     Trainer, no services   (--breakdown) bare without the engine's per-batch services:
                            what is left is the loop itself (hooks, batch move, counters)
-    services in the loop   (--breakdown, paired) bare, but the per-batch services done
-                           inline in the loop rather than as hook implementations: what
-                           their place on the hook bus costs
     hand-written batch     (--breakdown, paired) the Trainer's epoch loop around the
                            hand-written step: the floor of the paired comparison
 
@@ -207,68 +204,6 @@ class HandWrittenBatch(Trainer):
         state.optimizer.zero_grad(set_to_none=True)
         ts.batch += 1
         ts.batch_in_epoch += 1
-
-
-class ServicesInLoop(Trainer):
-    """The Trainer with its three per-batch services (MFU tally, loss keeping, the
-    metrics log's interval test) done inline in the loop instead of as hook
-    implementations, everything else as the engine has it: what keeping the services
-    on the hook bus (ARCHITECTURE.md) costs. A measurement, not a proposal: it reaches
-    into the services' private state, and runs only the fast paths of this workload
-    (plain CPU tensors, fixed input size). Its loop is ``Trainer._train_batch`` as of
-    1b7a92f with the three services written in; copy it again when that loop changes,
-    or the comparison measures an old loop."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # Left out of the per-batch hooks (`dispatch` binds no idle implementation).
-        self.utilization.idle_hooks = lambda: ("before_forward",)
-        self.losses.idle_hooks = lambda: ("after_loss",)
-        self.metrics_log.idle_hooks = lambda: ("batch_end",)
-
-    def _train_batch(self, batch: Any) -> None:
-        state, h, ts = self.state, self._hooks, self.state.timestamp
-        utilization, kept, log = self.utilization, self.losses._kept, self.metrics_log
-        state.batch = self._to_device(batch)
-        samples = state.batch[0].shape[0] * state.world_size
-        if h.batch_start:
-            h.batch_start(state=state)
-        self.normalize.prepare(state)
-        if h.before_forward:
-            h.before_forward(state=state)
-        shape = state.batch[0].shape
-        if shape == utilization._last_shape:
-            utilization.flops += utilization._last_flops
-        else:
-            utilization.before_forward(state)
-        state.outputs = h.forward(state=state)
-        if h.after_forward:
-            h.after_forward(state=state)
-        state.loss = h.compute_loss(state=state)
-        kept.append(state.loss.detach())
-        if h.after_loss:
-            h.after_loss(state=state)
-        if h.before_backward:
-            h.before_backward(state=state)
-        h.backward(state=state)
-        if h.after_backward:
-            h.after_backward(state=state)
-        if h.should_step(state=state):
-            if h.before_optimizer_step:
-                h.before_optimizer_step(state=state)
-            state.step_skipped = h.optimizer_step(state=state) is False
-            state.optimizer.zero_grad(set_to_none=True)
-            ts.optimizer_steps += 1
-            if h.after_optimizer_step:
-                h.after_optimizer_step(state=state)
-        ts.batch += 1
-        ts.batch_in_epoch += 1
-        ts.samples += samples
-        state.tick()
-        if ts.batch >= log._every.next and log._every.due(ts.batch):
-            log.log_train(state)
-        if h.batch_end:
-            h.batch_end(state=state)
 
 
 def paired(
@@ -499,7 +434,6 @@ def main() -> None:
     if args.breakdown:
         variants["Trainer, no services"] = {"progress_bar": False, "without": PER_BATCH_SERVICES}
         if not args.whole_runs:
-            variants["services in the loop"] = {"progress_bar": False, "engine": ServicesInLoop}
             variants["hand-written batch"] = {"progress_bar": False, "engine": HandWrittenBatch}
     (main_whole_runs if args.whole_runs else main_paired)(args, variants)
     fit_calls = args.fit_calls if args.fit_calls is not None else (3 if args.quick else 7)

@@ -81,7 +81,7 @@ def main() -> None:
                 verbose=False,
             )
             summary = trainer.fit()
-        last_train_loss = trainer.state.stash["engine.metrics"]["train"]["loss"]
+        last_train_loss = trainer.metrics_log.last["train"]["loss"]
         outcome[name] = (summary["accuracy"], last_train_loss)
         print(f"{name}: accuracy {outcome[name][0]:.3f}, train loss {last_train_loss:.3f}", flush=True)
         if name == "per-step":

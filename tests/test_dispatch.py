@@ -120,34 +120,6 @@ def test_a_step_with_one_implementation_is_called_directly_with_its_result():
     assert calls == ["only"] * 6
 
 
-def test_a_plugin_idle_at_a_hook_is_left_out_of_it_and_pluggy_still_calls_it():
-    class Idle(Recorder):
-        def idle_hooks(self) -> frozenset[str]:
-            return frozenset({"batch_end"})
-
-    calls: list[str] = []
-    pm = manager(Idle("idle", calls), Recorder("busy", calls))
-    bind(pm, "batch_end")(state=None)
-    bind(pm, "should_step")(state=None)
-    assert calls == ["busy", "busy", "idle"]  # batch_end without "idle"; should_step with it
-    pm.hook.batch_end(state=None)  # pluggy's caller: idle means "does nothing", so harmless
-    assert calls[3:] == ["busy", "idle"]
-
-
-@pytest.mark.parametrize(
-    ("interval", "bound"), [(None, False), ("1ep", False), ("2ep", False), ("0.5ep", True), ("10ba", True)]
-)
-def test_checkpoints_and_evaluation_are_asked_at_batch_end_only_if_due_inside_an_epoch(
-    tmp_path, interval, bound
-):
-    from slipstream.plugins.dispatch import bind_event
-    from slipstream.services import Checkpointer, Evaluator
-
-    for service in (Checkpointer(tmp_path, lambda state: {}, interval), Evaluator(None, interval)):
-        pm = manager(service)
-        assert (bind_event(pm, "batch_end") is not None) is bound, type(service).__name__
-
-
 def test_an_event_for_a_caller_that_ignores_results_is_none_the_lone_plugin_or_each_in_order():
     from slipstream.plugins.dispatch import bind_event
 

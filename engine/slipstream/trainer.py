@@ -386,8 +386,6 @@ class Trainer:
         )
         self.pm.register(self.checkpointer, name=Checkpointer.name)
         self.pm.register(self.losses, name=TrainLosses.name)
-        if progress_bar and write:
-            self.pm.register(ProgressBar(), name=ProgressBar.name)
         self.metrics_log = MetricsLogger(
             self.run_dir,
             log_interval,
@@ -396,11 +394,14 @@ class Trainer:
             hooks=self.pm.hook,
             losses=self.losses,
         )
+        if progress_bar and write:  # registered before the metrics log: called after it
+            self.pm.register(ProgressBar(metrics=self.metrics_log), name=ProgressBar.name)
         self.pm.register(self.metrics_log, name=MetricsLogger.name)
         # On every rank (not only the writer), so that all ranks' clocks leave out
         # the same counting time and a target stops them all at the same batch.
         self.pm.register(self.utilization, name=Utilization.name)
         if self.target is not None:
+            self.target.metrics = self.metrics_log  # the eval record's elapsed_s
             self.pm.register(self.target, name=TargetAccuracy.name)
         # Not a hook implementation: an explicit step after batch_start, so it is
         # last whatever plugins do.

@@ -22,12 +22,6 @@ loop): an event nobody implements is None, so the loop skips it with one test (a
 of a no-op costs about 1 us in situ, and most of the dozen per-batch events have no
 implementation in a run), and a lone implementation is returned itself.
 
-A plugin may leave itself out of some hooks for the run: ``idle_hooks()``, when it
-has that method, names the hooks whose implementations would do nothing as the run
-is configured (the engine's checkpoint and evaluation services name ``batch_end``
-when their interval is whole epochs). The two fast paths above leave those
-implementations out; pluggy's caller still calls them, to no effect.
-
 Exceptions propagate as pluggy propagates them. A plugin registered after binding is
 not seen until the hooks are bound again (the trainer binds after ``init``, where
 plugins may register helpers).
@@ -47,11 +41,6 @@ _PLAIN = getattr(pluggy.PluginManager("slipstream-probe"), "_inner_hookexec", ob
 
 def _noop(**_: Any) -> None:
     return None
-
-
-def _idle(plugin: object, name: str) -> bool:
-    idle_hooks = getattr(plugin, "idle_hooks", None)
-    return callable(idle_hooks) and name in idle_hooks()
 
 
 def _keyword_call(impl: Any, spec_args: frozenset[str]) -> Callable[..., Any]:
@@ -81,7 +70,7 @@ def bind_event(pm: pluggy.PluginManager, name: str) -> Callable[..., None] | Non
 
 def _bind(pm: pluggy.PluginManager, name: str, results: bool) -> Callable[..., Any] | None:
     caller = getattr(pm.hook, name)
-    impls = [i for i in caller.get_hookimpls() if not _idle(i.plugin, name)]
+    impls = caller.get_hookimpls()
     if not impls:
         return None
     monitored = getattr(pm, "_inner_hookexec", None) is not _PLAIN

@@ -83,11 +83,6 @@ class Checkpointer:
                 self.best = saved
                 state.summary["best_checkpoint"] = saved
 
-    def idle_hooks(self) -> frozenset[str]:
-        """Left out of the bound hooks (:mod:`slipstream.plugins.dispatch`): ``batch_end``
-        when no checkpoint can fall inside an epoch."""
-        return frozenset() if self.interval.mid_epoch else frozenset({"batch_end"})
-
     @hookimpl
     def batch_end(self, state: State) -> None:
         if self.interval.due_at_batch_end(state):

@@ -43,11 +43,6 @@ class Evaluator:
     def fit_start(self, state: State) -> None:
         self.interval.start(state)
 
-    def idle_hooks(self) -> frozenset[str]:
-        """Left out of the bound hooks (:mod:`slipstream.plugins.dispatch`): ``batch_end``
-        when no evaluation can fall inside an epoch."""
-        return frozenset() if self.interval.mid_epoch else frozenset({"batch_end"})
-
     @hookimpl
     def batch_end(self, state: State) -> None:
         # The last batch is evaluated by fit_end, once.

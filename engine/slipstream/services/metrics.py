@@ -101,11 +101,12 @@ class MetricsLogger:
         self._state: State | None = None  # the run's, for log_metrics at a flush
         self._flush_at = 0.0
         self._listened = True
+        # The last train and eval record made, for the progress bar and the target.
+        self.last: dict[str, dict[str, Any]] = {}
 
     @hookimpl
     def fit_start(self, state: State) -> None:
-        self._last: dict[str, dict[str, Any]] = {}
-        state.stash["engine.metrics"] = self._last
+        self.last = {}
         if self.path is not None:
             if self.path.is_file():  # a resumed run: its log continues from here
                 truncate_log(self.path, state.timestamp.batch)
@@ -125,7 +126,7 @@ class MetricsLogger:
         # between marks, is logged by log_final: before the final evaluation or
         # checkpoint, else at fit_end.
         step = state.timestamp.batch
-        if step >= self._every.next and self._every.due(step):
+        if self._every.due(step):
             self.log_train(state)
 
     def log_final(self, state: State) -> None:
@@ -160,7 +161,7 @@ class MetricsLogger:
         if state.metrics:
             record.update({key: _scalar(value) for key, value in state.metrics.items()})
         self._write(dict(record))  # its own copy: the file gets what was made now
-        self._last["train"] = record
+        self.last["train"] = record
         self._samples_at_last, self._time_at_last = state.timestamp.samples, state.tick()
         self._flops_at_last = flops
 
@@ -182,7 +183,7 @@ class MetricsLogger:
             **state.eval_metrics,
         }
         self._write({k: _scalar(v) for k, v in record.items()}, now=True)
-        self._last["eval"] = record
+        self.last["eval"] = record
         # Evaluation time is not training throughput: take it out of the interval
         # (the interval's samples are kept, so the rate stays per training second).
         if self._eval_started is not None:

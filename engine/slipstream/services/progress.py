@@ -22,8 +22,11 @@ REFRESH_S = 0.5  # seconds between redraws
 class ProgressBar:
     name = "engine.progress"
 
-    def __init__(self, file: Any = None, refresh_s: float | None = None) -> None:
+    def __init__(self, file: Any = None, refresh_s: float | None = None, metrics: Any = None) -> None:
+        """``metrics``: the metrics log, whose last train and eval records the bar shows
+        (None: the epoch only)."""
         self.file = file
+        self.metrics = metrics
         self.refresh_s = REFRESH_S if refresh_s is None else refresh_s
         self.bar: Any = None
         self._wall_clock = False
@@ -61,8 +64,7 @@ class ProgressBar:
 
     @hookimpl
     def batch_end(self, state: State) -> None:
-        now = time.monotonic()  # one comparison on most batches
-        if now >= self._redraw.next and self._redraw.due(now) and self.bar is not None:
+        if self._redraw.due(time.monotonic()) and self.bar is not None:
             self._refresh(state)
 
     def _refresh(self, state: State) -> None:
@@ -71,7 +73,7 @@ class ProgressBar:
         self.bar.update(position - self.bar.n)
 
     def _postfix(self, state: State) -> None:
-        last = state.stash.get("engine.metrics", {})
+        last = self.metrics.last if self.metrics is not None else {}
         fields = {"ep": state.timestamp.epoch}
         if "train" in last:
             fields["loss"] = f"{last['train']['loss']:.3f}"

@@ -3,6 +3,8 @@ runs do): the speed claim of a technique is the time to reach the same accuracy.
 
 from __future__ import annotations
 
+from typing import Any
+
 from slipstream.hookspecs import hookimpl
 from slipstream.state import State
 
@@ -16,6 +18,7 @@ class TargetAccuracy:
         self.target = target
         self.stop = stop
         self.reached_s: float | None = None
+        self.metrics: Any = None  # the metrics log (set by the Trainer): its eval record's elapsed_s
 
     # trylast: after the metrics logger wrote the eval record, whose elapsed_s this
     # reuses, so summary.json and metrics.jsonl agree to the digit.
@@ -26,7 +29,7 @@ class TargetAccuracy:
         accuracy = state.eval_metrics.get("accuracy")
         if accuracy is None or accuracy < self.target:
             return
-        record = state.stash.get("engine.metrics", {}).get("eval")
+        record = self.metrics.last.get("eval") if self.metrics is not None else None
         self.reached_s = record["elapsed_s"] if record else round(state.tick(), 4)
         # At the end of the run (the final evaluation) there is nothing left to stop.
         if self.stop and not state.is_done():
