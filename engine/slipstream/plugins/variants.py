@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
-import json
 import os
 import random
 import sys
@@ -46,7 +45,8 @@ import pluggy
 import torch
 
 from slipstream import hookspecs
-from slipstream.services.peak_flops import device_label, machine_key
+from slipstream.services.peak_flops import device_label, machine_key, read_cache
+from slipstream.services.peak_flops import write_cache as store_cache
 from slipstream.state import State, unwrap_model
 
 __all__ = [
@@ -177,31 +177,10 @@ def cache_key(state: State, model_name: str, batch: Any, declared: Mapping[str, 
     )
 
 
-def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
-    try:
-        cache = _read_cache(path)
-        cache[key] = entry
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
-    except OSError as exc:
-        warnings.warn(
-            f"slipstream: cannot cache the auto choice in {path} ({exc.strerror}); the next run "
-            "measures again and may choose differently",
-            stacklevel=2,
-        )
-
-
-# -- random streams --------------------------------------------------------------------
+    cache = read_cache(path)
+    cache[key] = entry
+    store_cache(path, cache, "the auto choice", "the next run measures again and may choose differently")
 
 
 def _generators(loader: Any) -> list[torch.Generator]:
@@ -409,7 +388,7 @@ def choose_variants(
             batch = move(batch)
             path = cache or cache_path()
             key = cache_key(state, model_name, batch, declared)
-            entry = _read_cache(path).get(key)
+            entry = read_cache(path).get(key)
             if isinstance(entry, dict) and _valid_choice(entry.get("choice"), margins):
                 choice = dict(entry["choice"])
                 record.update(method="cache", cache=str(path), cached_timings_ms=entry.get("timings_ms"))

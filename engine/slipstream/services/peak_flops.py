@@ -171,7 +171,7 @@ def peak_flops(
         return Peak(flops, "config")
     path = path or cache_path()
     key = machine_key(device, threads)
-    cache = _read_cache(path)
+    cache = read_cache(path)
     cached = cache.get(key, {}).get("flops", {})
     if all(isinstance(cached.get(n), (int, float)) and cached[n] > 0 for n in names):
         return Peak(_at_least_fp32({n: float(cached[n]) for n in names}), "cache")
@@ -182,7 +182,9 @@ def peak_flops(
         "flops": flops,  # as measured
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    _write_cache(path, cache)
+    write_cache(
+        path, cache, "the peak FLOP/s", "the next run probes again (set XDG_CACHE_HOME or trainer.peak_tflops)"
+    )
     return Peak(_at_least_fp32(flops), "probe")
 
 
@@ -203,13 +205,15 @@ def raise_peak(
     fresh = {n: measure_matmul_flops(device, DTYPES[n]) for n in names}
     flops = {n: max(peak.flops.get(n, 0.0), fresh[n]) for n in names}
     path = path or cache_path()
-    cache = _read_cache(path)
+    cache = read_cache(path)
     cache[machine_key(device, threads)] = {
         "flops": flops,
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "raised_by_a_run": True,
     }
-    _write_cache(path, cache)
+    write_cache(
+        path, cache, "the peak FLOP/s", "the next run probes again (set XDG_CACHE_HOME or trainer.peak_tflops)"
+    )
     return Peak(_at_least_fp32(flops), f"{peak.source}, raised")
 
 
@@ -222,24 +226,24 @@ def _at_least_fp32(flops: dict[str, float]) -> dict[str, float]:
     return {name: max(value, floor) for name, value in flops.items()}
 
 
-def _read_cache(path: Path) -> dict[str, Any]:
+def read_cache(path: Path) -> dict[str, Any]:
+    """A per-machine JSON cache (peak FLOP/s, measured auto variants); ``{}`` when it is
+    absent or corrupt, so the caller measures again and rewrites it."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return {}  # absent or corrupt: probe again and rewrite it
+        return {}
     return data if isinstance(data, dict) else {}
 
 
-def _write_cache(path: Path, cache: dict[str, Any]) -> None:
-    # Atomic, so two runs starting together never leave half a file.
+def write_cache(path: Path, cache: dict[str, Any], what: str, otherwise: str) -> None:
+    """Write ``cache`` to ``path`` atomically (two runs starting together never leave
+    half a file); a failure is a warning naming ``what`` was not cached and what
+    happens ``otherwise``, never an error: the run goes on."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cache, indent=2) + "\n", encoding="utf-8")
         tmp.replace(path)
     except OSError as exc:
-        warnings.warn(
-            f"slipstream: cannot cache the peak FLOP/s in {path} ({exc.strerror}); "
-            "the next run probes again (set XDG_CACHE_HOME or trainer.peak_tflops)",
-            stacklevel=2,
-        )
+        warnings.warn(f"slipstream: cannot cache {what} in {path} ({exc.strerror}); {otherwise}", stacklevel=3)
