@@ -16,8 +16,6 @@ from slipstream.config.schema import SECTIONS
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 
-# Pages other branches are writing in parallel (issue 24): linked already, not here yet.
-# The coordinator deletes this list once they are merged; after that every link must resolve.
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 
