@@ -43,7 +43,7 @@ algorithms:
 def test_defaults_without_a_recipe():
     cfg = build_config()
     assert cfg.model.name == "resnet18" and cfg.data.name == "synthetic"
-    assert cfg.trainer.max_duration == "5ep" and dict(cfg.algorithms) == {}
+    assert cfg.trainer.max_duration == "2ep" and dict(cfg.algorithms) == {}
 
 
 def test_recipe_inheritance_merges_the_child_over_the_parent(recipes):

@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from slipstream.cli import main as cli
 from slipstream.config.schema import SECTIONS
@@ -98,3 +99,17 @@ def test_configuration_page_names_every_key() -> None:
     keys = [k for section, cls in SECTIONS.items() for k in _keys(cls, f"{section}.")]
     assert len(keys) > 40
     assert [k for k in keys if f"`{k}`" not in page] == []
+
+
+def test_the_trainer_defaults_on_the_configuration_page_are_the_code_s() -> None:
+    import yaml
+
+    from slipstream.config.schema import build_config
+    from slipstream.run.tracking import flatten
+
+    page = (ROOT / "docs/configuration.md").read_text()
+    documented = dict(re.findall(r"^\| `(trainer\.[\w.]+)` \| `([^`]*)` \|", page, re.M))
+    defaults = flatten({"trainer": OmegaConf.to_container(build_config(None, None, []).trainer)})
+    assert set(documented) == set(defaults)
+    wrong = {k: (v, defaults[k]) for k, v in documented.items() if yaml.safe_load(v) != defaults[k]}
+    assert wrong == {}

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from helpers import Probe, tiny_loaders, tiny_model, train
@@ -160,3 +161,66 @@ def test_deterministic_warns_on_cuda_and_refuses_on_cpu(monkeypatch):
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # cuBLAS's deterministic workspace
     apply_process_settings(TrainerOptions(deterministic=True), torch.device("cpu"))
     assert calls == [(True, True), (True, False)]
+
+
+# -- one definition of the trainer settings (issue 24 §3) -----------------------------
+
+
+def _settings() -> dict[str, object]:
+    import dataclasses
+
+    return {f.name: f for f in dataclasses.fields(TrainerOptions)}
+
+
+def test_the_config_schema_follows_the_trainer_options():
+    # Every setting with a config key has it, with the Python API's default; the
+    # schema has no key of its own.
+    defaults = OmegaConf.to_container(build_config(None, None, []).trainer)
+    config_settings = {n: f for n, f in _settings().items() if not f.metadata["api_only"]}
+    assert set(defaults) == set(config_settings)
+    for name, f in config_settings.items():
+        expected = f.default if not isinstance(f.default, tuple) else list(f.default)
+        if name == "ddp":
+            assert defaults["ddp"] == {"bucket_cap_mb": None, "static_graph": False, "find_unused_parameters": False}
+        else:
+            assert defaults[name] == expected, name
+    # and omegaconf checks the type the option declares for its YAML value
+    with pytest.raises(ConfigError, match="trainer.log_interval"):
+        build_config(None, None, ["trainer.log_interval=often"])
+
+
+def test_the_trainer_keywords_follow_the_trainer_options():
+    import inspect
+
+    params = inspect.signature(Trainer).parameters
+    for name, f in _settings().items():
+        assert name in params, name
+        assert params[name].default == f.default, name
+
+
+def test_a_misspelled_trainer_keyword_is_a_clear_error(tmp_path):
+    model = tiny_model()
+    with pytest.raises(ConfigError, match="unknown setting 'log_intervall'.*did you mean 'log_interval'"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loaders()[0],
+                run_dir=tmp_path / "run", log_intervall=5)
+    with pytest.raises(ConfigError, match="options= or as keywords, not both"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loaders()[0],
+                options=TrainerOptions(), seed=3)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_cli_applies_process_settings_once(tmp_path, monkeypatch):
+    calls = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n)))
+    cfg = build_config(None, None, [
+        "model.name=test_resnet", "data.train_size=32", "data.val_size=16", "data.image_size=16",
+        "trainer.threads=1", "trainer.seed=7", f"trainer.run_dir={tmp_path / 'run'}",
+    ])
+    build_trainer(cfg, verbose=False)
+    assert calls == [1]
+    # Seeding is not a process setting: the CLI seeds before it builds data and model,
+    # and the Trainer again, so that training starts from the seed as a Python run does.
+    after_build = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(after_build, torch.rand(3))

@@ -320,7 +320,7 @@ def test_the_real_probe_measures_a_plausible_rate() -> None:
         (True, "positive number"),
         ({}, "is empty"),
         ({"fp8": 1.0}, "unknown dtype 'fp8'"),
-        ({"bf16": 0}, "trainer.peak_tflops.bf16 must be a positive"),
+        ({"bf16": 0}, "peak_tflops.bf16 must be a positive"),
     ],
 )
 def test_bad_peak_tflops_is_a_clear_error(tmp_path, value, message) -> None:

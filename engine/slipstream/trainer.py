@@ -10,7 +10,9 @@ in :mod:`slipstream.services.summary`, the run directory's policy in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -23,13 +25,11 @@ from torch import nn
 
 from slipstream import hookspecs
 from slipstream.config.options import (
-    AUTO,
-    NormalizeOption,
     TrainerOptions,
     apply_process_settings,
-    check_target,
     parse_peak_tflops,
     resolve_normalize,
+    seed_everything,
 )
 from slipstream.distributed import init_distributed, resolve_device
 from slipstream.duration import Duration
@@ -91,8 +91,10 @@ class Trainer:
     start_batch)`` (as Slipstream's own) gives an order that depends on the seed and
     epoch alone and resumes mid-epoch exactly.
 
-    The run-level keywords are :class:`~slipstream.config.options.TrainerOptions` (kept
-    as ``self.options``): validated, then applied as the CLI applies them
+    The run-level keywords are the fields of
+    :class:`~slipstream.config.options.TrainerOptions` (the config's ``trainer``
+    section holds the same names and defaults), or ``options=`` one such object; they
+    are kept as ``self.options``, validated, then applied as the CLI applies them
     (threads, determinism, seeds), with ``normalize="auto"`` and a ``config.yaml``
     in the run directory. ``eval_interval=None`` means no evaluation and
     ``checkpoint_interval=None`` no checkpoints.
@@ -119,77 +121,42 @@ class Trainer:
         optimizer: torch.optim.Optimizer,
         train_data: Iterable[Any],
         eval_data: Iterable[Any] | None = None,
-        max_duration: str | Duration = "2ep",
+        max_duration: str | Duration | None = None,
         algorithms: Sequence[Algorithm | str] = (),
         run_dir: str | Path | None = None,
         *,
-        seed: int = 0,
-        device: str | torch.device | None = "auto",
+        callbacks: Sequence[Callback | str] = (),
         loss_fn: Callable[..., torch.Tensor] | None = None,
         schedulers: Sequence[Any] = (),
-        eval_interval: str | Duration | None = "1ep",
-        log_interval: int = 20,
-        checkpoint_interval: str | Duration | None = "1ep",
-        checkpoint_keep: int = 2,
-        normalize: NormalizeOption = AUTO,
-        progress_bar: bool = True,
-        load_path: str | Path | None = None,
-        overwrite: bool = False,
         config: dict[str, Any] | None = None,
         installed: dict[str, AlgorithmInfo] | None = None,
-        verbose: bool = True,
-        threads: int | None = None,
-        deterministic: bool = False,
-        on_nonfinite: str = "stop",
-        target_accuracy: float | None = None,
-        stop_at_target: bool = False,
-        peak_tflops: float | dict[str, float] | None = None,
-        callbacks: Sequence[Callback | str] = (),
-        best_metric: str | None = "accuracy",
-        ddp: dict[str, Any] | None = None,
-        autoresume: bool = False,
-        load_weights_only: bool = False,
-        load_ignore_keys: Sequence[str] = (),
-        load_weights: str = "model",
-        autotune: bool = True,
-        autotune_warmup: int = 1,
-        autotune_steps: int = 2,
+        options: TrainerOptions | None = None,
+        **settings: Any,
     ) -> None:
-        # One set-up for the Python API and the CLI (which passes the same options,
-        # built from its config): validate, then threads, determinism and seeds.
-        self.options = TrainerOptions(
-            max_duration=max_duration,
-            run_dir=run_dir,
-            seed=seed,
-            device=device,
-            eval_interval=eval_interval,
-            log_interval=log_interval,
-            checkpoint_interval=checkpoint_interval,
-            checkpoint_keep=checkpoint_keep,
-            normalize=normalize,
-            progress_bar=progress_bar,
-            load_path=load_path,
-            overwrite=overwrite,
-            threads=threads,
-            deterministic=deterministic,
-            verbose=verbose,
-            on_nonfinite=on_nonfinite,
-            best_metric=best_metric,
-            ddp=ddp,
-            autoresume=autoresume,
-            load_weights_only=load_weights_only,
-            load_ignore_keys=load_ignore_keys,
-            load_weights=load_weights,
-            autotune=autotune,
-            autotune_warmup=autotune_warmup,
-            autotune_steps=autotune_steps,
-        ).validate()
-        self.target_accuracy = check_target(target_accuracy, stop_at_target)
-        peak = parse_peak_tflops(peak_tflops)
-        self.device = device if isinstance(device, torch.device) else resolve_device(device)
-        apply_process_settings(self.options, self.device)
+        # The run-level settings are TrainerOptions' fields, given as keywords or (the
+        # CLI) as options it has already validated and applied; max_duration=None
+        # keeps the default.
+        if max_duration is not None:
+            settings["max_duration"] = max_duration
+        if run_dir is not None:
+            settings["run_dir"] = run_dir
+        if options is None:
+            options = TrainerOptions.from_keywords(settings)
+        elif settings:
+            raise ConfigError(
+                f"Trainer: give the settings as options= or as keywords, not both "
+                f"(got options= and {', '.join(settings)})"
+            )
+        self.options = o = options.validate()
+        self.target_accuracy = o.target_accuracy
+        peak = parse_peak_tflops(o.peak_tflops)
+        self.device = o.device if isinstance(o.device, torch.device) else resolve_device(o.device)
+        apply_process_settings(o, self.device)
+        # Training starts from the seed, however much randomness building the model
+        # and data drew: a Python run and a CLI run of one seed train alike.
+        seed_everything(o.seed)
         rank, world_size = init_distributed(self.device)
-        self.max_duration = Duration.parse(max_duration)
+        self.max_duration = Duration.parse(o.max_duration)
         self.installed = installed
         chosen = self._as_plugins(algorithms, ENTRY_POINT_GROUP)
         self.algorithms = resolve_order(chosen, installed=self._known_names(chosen))
@@ -198,21 +165,22 @@ class Trainer:
         self._distributions = {
             a.name: distribution_of(a, self.installed) for a in self.algorithms
         } | {c.name: distribution_of(c, self._installed_callbacks) for c in self.callbacks}
-        self.verbose = verbose and rank == 0
-        normalize, note = resolve_normalize(normalize, train_data)
+        self.verbose = o.verbose and rank == 0
+        normalize, note = resolve_normalize(o.normalize, train_data)
         if note and self.verbose:
             print(f"slipstream: {note}", file=sys.stderr)
         self.config = config or self._describe_run(model, optimizer)
-        self.on_nonfinite = self.options.on_nonfinite
-        self.load_path = Path(load_path) if load_path else None
-        self.weights_only = self.options.load_weights_only
-        if self.options.autoresume:
-            overwrite = self._autoresume(Path(run_dir)) or overwrite
+        self.on_nonfinite = o.on_nonfinite
+        self.load_path = Path(o.load_path) if o.load_path else None
+        self.weights_only = o.load_weights_only
+        overwrite = o.overwrite
+        if o.autoresume:
+            overwrite = self._autoresume(Path(o.run_dir)) or overwrite
         if self.load_path is not None and not self.load_path.exists():
             # Checked before anything is built or written, so the retry starts clean.
             raise CheckpointError(f"trainer.load_path: checkpoint {self.load_path} does not exist")
         self.overwrite = overwrite
-        self.paths = choose_run_dir(run_dir, overwrite=overwrite, load_path=self._resume_path)
+        self.paths = choose_run_dir(o.run_dir, overwrite=overwrite, load_path=self._resume_path)
         self.run_dir = self.paths.root
         self.summary: dict[str, Any] = {}
 
@@ -225,7 +193,7 @@ class Trainer:
             device=self.device,
             loss_fn=loss_fn or nn.CrossEntropyLoss(),
             schedulers=list(schedulers),
-            seed=seed,
+            seed=o.seed,
             rank=rank,
             world_size=world_size,
             run_dir=self.run_dir,
@@ -239,20 +207,13 @@ class Trainer:
 
         self.utilization = Utilization(peak, verbose=self.verbose)
         self.target = (
-            TargetAccuracy(self.target_accuracy, stop_at_target)
+            TargetAccuracy(self.target_accuracy, o.stop_at_target)
             if self.target_accuracy is not None
             else None
         )
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
-        self._register(
-            normalize=normalize,
-            eval_interval=eval_interval,
-            log_interval=log_interval,
-            checkpoint_interval=checkpoint_interval,
-            checkpoint_keep=checkpoint_keep,
-            progress_bar=progress_bar,
-        )
+        self._register(normalize)
         self._hooks = SimpleNamespace()
         self._to_device = batch_mover(self.device)
 
@@ -344,16 +305,7 @@ class Trainer:
             return names
         return names | set(self._installed_of(ENTRY_POINT_GROUP))
 
-    def _register(
-        self,
-        *,
-        normalize,
-        eval_interval,
-        log_interval,
-        checkpoint_interval,
-        checkpoint_keep,
-        progress_bar,
-    ) -> None:
+    def _register(self, normalize: tuple[Sequence[float], Sequence[float]] | None) -> None:
         # pluggy calls the last registered plugin first. Callbacks go in first
         # (the first given last, so it is called first), then services, so that at
         # each event algorithms act, then the engine records, then callbacks observe.
@@ -378,8 +330,8 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.run_dir,
             self._checkpoint_payload,
-            checkpoint_interval,
-            checkpoint_keep,
+            self.options.checkpoint_interval,
+            self.options.checkpoint_keep,
             write=write,
             guard=self._before_checkpoint,
             best_metric=self.options.best_metric,
@@ -388,13 +340,13 @@ class Trainer:
         self.pm.register(self.losses, name=TrainLosses.name)
         self.metrics_log = MetricsLogger(
             self.run_dir,
-            log_interval,
+            self.options.log_interval,
             write=write,
             utilization=self.utilization,
             hooks=self.pm.hook,
             losses=self.losses,
         )
-        if progress_bar and write:  # registered before the metrics log: called after it
+        if self.options.progress_bar and write:  # registered before the metrics log: called after it
             self.pm.register(ProgressBar(metrics=self.metrics_log), name=ProgressBar.name)
         self.pm.register(self.metrics_log, name=MetricsLogger.name)
         # On every rank (not only the writer), so that all ranks' clocks leave out
@@ -407,7 +359,7 @@ class Trainer:
         # last whatever plugins do.
         self.normalize = Normalize(*normalize) if normalize is not None else Normalize()
         self.evaluator = Evaluator(
-            self.pm.hook, eval_interval, self.normalize.prepare, guard=self.divergence.before_evaluation
+            self.pm.hook, self.options.eval_interval, self.normalize.prepare, guard=self.divergence.before_evaluation
         )
         self.pm.register(self.evaluator, name=Evaluator.name)
         # The first algorithm in the resolved order is registered last, so its
@@ -688,3 +640,26 @@ def _batches_per_epoch(loader: Any) -> int | None:
         return len(loader)
     except TypeError:
         return None
+
+
+def _signature() -> inspect.Signature:
+    """The Trainer's signature as ``help()`` and ``inspect`` show it: the settings it
+    takes as ``**settings`` spelled out from TrainerOptions, with their defaults."""
+    signature = inspect.signature(Trainer.__init__)
+    defaults = {f.name: f for f in dataclasses.fields(TrainerOptions)}
+    params = []
+    for param in signature.parameters.values():
+        if param.kind is param.VAR_KEYWORD:
+            params += [
+                inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                for name, f in defaults.items()
+                if name not in signature.parameters
+            ]
+        elif param.name in defaults:
+            params.append(param.replace(default=defaults[param.name].default))
+        else:
+            params.append(param)
+    return signature.replace(parameters=params)
+
+
+Trainer.__init__.__signature__ = _signature()  # type: ignore[attr-defined]

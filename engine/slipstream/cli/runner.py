@@ -6,7 +6,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from slipstream.config.options import TrainerOptions, apply_process_settings
+from slipstream.config.options import TrainerOptions, apply_process_settings, seed_everything
 from slipstream.config.schema import to_dict
 from slipstream.data.datasets import DataError
 from slipstream.data.sources import DataRequest, build_dataset_plugin
@@ -48,7 +48,9 @@ def build_trainer(
         verbose=verbose,
     ).validate(prefix="trainer.")
     device = resolve_device(t.device)
+    options.device = device
     apply_process_settings(options, device)
+    seed_everything(options.seed)  # data and model are built seeded
     rank, world_size = init_distributed(device)
     # Named by each process's clock unless given: rank 0's name is the run's.
     options.run_dir = from_rank0(options.run_dir)
@@ -118,8 +120,5 @@ def build_trainer(
         callbacks=callbacks,
         config=resolved,
         installed=installed,
-        target_accuracy=t.target_accuracy,
-        stop_at_target=t.stop_at_target,
-        peak_tflops=to_dict(t)["peak_tflops"],
-        **{**options.trainer_kwargs(), "device": device},
+        options=options,
     )

@@ -9,18 +9,21 @@ either way seeds, sets threads, validates and normalises the same.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
+import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from slipstream.duration import Duration, DurationError
-from slipstream.errors import ConfigError
+from slipstream.errors import ConfigError, did_you_mean
 
 # `normalize="auto"`: the statistics of a dataset Slipstream knows, else none.
 AUTO = "auto"
@@ -33,10 +36,6 @@ NormalizeOption = Union[str, tuple[Sequence[float], Sequence[float]], None]
 
 # The dtypes by the names configs use (peak_tflops, plugins' dtype options).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CACHE_FILE = Path("slipstream") / "peak_flops.json"
-PROBE_SECONDS = 0.25  # per dtype, after sizing up
-MIN_MATMUL_SECONDS = 0.02  # one matmul at least this long, so the clock resolves it
-MAX_SIZE = {"cpu": 2048, "cuda": 8192}
 
 
 # -- validators of trainer keys that the engine's services act on ---------------------
@@ -67,21 +66,21 @@ def check_on_nonfinite(value: str) -> str:
     return value
 
 
-def check_target(target_accuracy: Any, stop_at_target: Any) -> float | None:
-    """Validate ``trainer.target_accuracy`` / ``trainer.stop_at_target``; returns the
-    target as a float (None when not set)."""
+def check_target(target_accuracy: Any, stop_at_target: Any, prefix: str = "trainer.") -> float | None:
+    """Validate ``target_accuracy`` / ``stop_at_target``; returns the target as a float
+    (None when not set)."""
     if not isinstance(stop_at_target, bool):
-        raise ConfigError(f"trainer.stop_at_target must be true or false, got {stop_at_target!r}")
+        raise ConfigError(f"{prefix}stop_at_target must be true or false, got {stop_at_target!r}")
     if target_accuracy is None:
         if stop_at_target:
             raise ConfigError(
-                "trainer.stop_at_target needs trainer.target_accuracy, e.g. trainer.target_accuracy=0.9"
+                f"{prefix}stop_at_target needs {prefix}target_accuracy, e.g. {prefix}target_accuracy=0.9"
             )
         return None
     number = isinstance(target_accuracy, (int, float)) and not isinstance(target_accuracy, bool)
     if not number or not 0 < target_accuracy <= 1:
         raise ConfigError(
-            "trainer.target_accuracy must be a fraction in (0, 1] (0.9 for 90 %), "
+            f"{prefix}target_accuracy must be a fraction in (0, 1] (0.9 for 90 %), "
             f"got {target_accuracy!r}"
         )
     return float(target_accuracy)
@@ -119,10 +118,56 @@ def _positive(value: Any) -> bool:
 
 
 
+_SAME = object()  # a setting whose config type is its Python type
+
+
+def setting(default: Any, help: str, *, config: Any = _SAME, api_only: bool = False) -> Any:
+    """One trainer setting: its default, what it is (``help``), the type its config key
+    has when the Python type is wider (``str | Duration`` is a ``str`` in YAML), and
+    ``api_only`` for a keyword with no config key."""
+    return dataclasses.field(
+        default=default, metadata={"help": help, "config": config, "api_only": api_only}
+    )
+
+
+def config_dataclass(options: type, name: str) -> type:
+    """The config section of a settings dataclass (:class:`TrainerOptions`): its
+    fields less the Python-only ones, each with the type its YAML value has, so that
+    omegaconf checks the types and the defaults are the Python API's."""
+    hints = typing.get_type_hints(options)
+    fields = []
+    for f in dataclasses.fields(options):
+        if f.metadata.get("api_only"):
+            continue
+        kind = f.metadata.get("config", hints[f.name])
+        kind = hints[f.name] if kind is _SAME else kind
+        if dataclasses.is_dataclass(kind):
+            spec = field(default_factory=kind)
+        elif isinstance(f.default, (list, tuple)):
+            spec = field(default_factory=functools.partial(list, f.default))
+        else:
+            spec = field(default=f.default)
+        fields.append((f.name, kind, spec))
+    schema = dataclasses.make_dataclass(name, fields)
+    schema.__module__ = options.__module__
+    return schema
+
+
+@dataclass
+class DDPConfig:
+    """``trainer.ddp``: options of DistributedDataParallel, the default wrap of a run of
+    several processes."""
+
+    bucket_cap_mb: Optional[float] = setting(None, "megabytes of gradients per all-reduce bucket (null: torch's 25)")
+    static_graph: bool = setting(False, "true when the model uses the same parameters every step")
+    find_unused_parameters: bool = setting(False, "true when some parameters get no gradient in a step")
+
+
 @dataclass
 class TrainerOptions:
-    """Run-level settings of a :class:`~slipstream.Trainer` (the ``trainer`` section
-    of a config holds the same names).
+    """Every run-level setting of a :class:`~slipstream.Trainer`: the one definition
+    from which the config's ``trainer`` section (:func:`config_schema`) and the
+    Trainer's keywords follow, each checked in :meth:`validate`.
 
     ``eval_interval=None`` turns evaluation off entirely (no final evaluation
     either); ``checkpoint_interval=None`` writes no checkpoint at all.
@@ -131,49 +176,79 @@ class TrainerOptions:
     leaves inputs as they come.
     """
 
-    max_duration: str | Duration = "2ep"
-    run_dir: str | Path | None = None
-    seed: int = 0
-    device: str | torch.device | None = "auto"
-    eval_interval: str | Duration | None = "1ep"
-    log_interval: int = 20
-    checkpoint_interval: str | Duration | None = "1ep"
-    checkpoint_keep: int = 2
-    normalize: NormalizeOption = AUTO
-    progress_bar: bool = True
-    load_path: str | Path | None = None
-    overwrite: bool = False
+    max_duration: str | Duration = setting("2ep", "how long the run trains", config=str)
+    seed: int = setting(0, "seeds Python, NumPy and torch")
+    eval_interval: str | Duration | None = setting(
+        "1ep", "a duration; null: no evaluation at all", config=Optional[str]
+    )
+    device: str | torch.device | None = setting("auto", "auto | cpu | cuda | cuda:N", config=str)
+    run_dir: str | Path | None = setting(
+        None, "null: runs/<recipe>-<date>-<time>", config=Optional[str]
+    )
+    log_interval: int = setting(20, "batches between train records (the only device syncs)")
+    checkpoint_interval: str | Duration | None = setting(
+        "1ep", "a duration; null: no checkpoints at all", config=Optional[str]
+    )
+    checkpoint_keep: int = setting(2, "interval checkpoints kept besides latest.pt; -1 keeps all")
+    load_path: str | Path | None = setting(None, "a checkpoint to resume from", config=Optional[str])
     # A requeued job: continue from run_dir's latest.pt when it has one, else start
     # (from load_path when given); refused when the saved config differs in training.
-    autoresume: bool = False
+    autoresume: bool = setting(False, "continue the run in run_dir from its latest.pt if any")
     # Fine-tuning: load_path gives the weights only (no optimizer, schedules, counters),
     # without the parameters matching load_ignore_keys (globs), from load_weights
     # ("model", or weights a plugin keeps in the checkpoint, e.g. "ema").
-    load_weights_only: bool = False
-    load_ignore_keys: Sequence[str] = ()
-    load_weights: str = "model"
-    threads: int | None = None
-    deterministic: bool = False
-    verbose: bool = True
-    on_nonfinite: str = "stop"  # stop | warn: what a NaN or infinite training loss does
-    best_metric: str | None = "accuracy"  # accuracy | accuracy_top5 | loss | None: what best.pt keeps
-    # DistributedDataParallel options of the default wrap (several processes only):
-    # bucket_cap_mb, static_graph, find_unused_parameters.
-    ddp: Mapping[str, Any] | None = None
+    load_weights_only: bool = setting(False, "load_path gives the model weights only")
+    load_ignore_keys: Sequence[str] = setting((), "globs of weights not loaded", config=list[str])
+    load_weights: str = setting("model", "model | a plugin's weights in the checkpoint, e.g. ema")
+    overwrite: bool = setting(False, "clear the run files of a run_dir that already holds a run")
+    on_nonfinite: str = setting("stop", "stop | warn: what a NaN or infinite training loss does")
+    best_metric: str | None = setting(
+        "accuracy", "accuracy | accuracy_top5 | loss | null: what best.pt keeps"
+    )
+    progress_bar: bool = setting(True, "the tqdm bar")
+    threads: int | None = setting(None, "torch.set_num_threads; null: torch's default")
+    deterministic: bool = setting(False, "torch.use_deterministic_algorithms")
+    target_accuracy: float | None = setting(None, "in (0, 1]: records time_to_target_s")
+    stop_at_target: bool = setting(False, "end the run at target_accuracy (status target_reached)")
+    # A number, or {fp32: .., bf16: .., fp16: ..}; None: probed once per machine and cached.
+    peak_tflops: float | Mapping[str, float] | None = setting(
+        None, "the device's peak TFLOP/s for MFU", config=Optional[Any]
+    )
+    ddp: Mapping[str, Any] | None = setting(
+        None, "DistributedDataParallel options (several processes only)", config=DDPConfig
+    )
     # Measured auto (slipstream.plugins.variants): the variants plugins declare (bf16 or fp32,
     # NHWC or NCHW) are timed at fit start, or taken from the cache; false: each
-    # plugin's fallback, unmeasured. Warm-up and timed training steps per combination.
-    autotune: bool = True
-    autotune_warmup: int = 1
-    autotune_steps: int = 2
+    # plugin's fallback, unmeasured.
+    autotune: bool = setting(True, "measure the plugins' auto variants at fit start")
+    autotune_warmup: int = setting(1, "untimed training steps per combination")
+    autotune_steps: int = setting(2, "timed training steps per combination (the fastest counts)")
+    normalize: NormalizeOption = setting(
+        AUTO, "auto | (mean, std) | None: inputs normalised on the device", api_only=True
+    )
+    verbose: bool = setting(True, "print notes and choices to stderr", api_only=True)
 
     @classmethod
     def from_config(cls, trainer: Mapping[str, Any], **extra: Any) -> TrainerOptions:
         """The options in a config's ``trainer`` section (keys it does not name keep
         their defaults), with ``extra`` on top."""
         names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in trainer.items() if k in names}
+        values = {k: _plain(v) for k, v in trainer.items() if k in names}
         return cls(**{**values, **extra})
+
+    @classmethod
+    def from_keywords(cls, settings: Mapping[str, Any], source: str = "Trainer") -> TrainerOptions:
+        """The options a caller passed as keywords; a name that is not a setting is a
+        ConfigError naming the closest one (a misspelling would otherwise be a bare
+        TypeError, or worse, ignored)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for name in settings:
+            if name not in names:
+                raise ConfigError(
+                    f"{source}: unknown setting {name!r}{did_you_mean(name, names)}; "
+                    f"the settings are {', '.join(names)}"
+                )
+        return cls(**settings)
 
     def validate(self, prefix: str = "") -> TrainerOptions:
         """Refuse what torch or the loop would fail on later, naming the option
@@ -198,6 +273,8 @@ class TrainerOptions:
         check_on_nonfinite(self.on_nonfinite)
         check_best_metric(self.best_metric)
         self.ddp = check_ddp_options(self.ddp, f"{prefix}ddp")
+        self.target_accuracy = check_target(self.target_accuracy, self.stop_at_target, prefix)
+        parse_peak_tflops(self.peak_tflops, f"{prefix}peak_tflops")
         if not isinstance(self.autotune, bool):
             raise ConfigError(f"{prefix}autotune must be true or false, got {self.autotune!r}")
         _integer(self.autotune_warmup, f"{prefix}autotune_warmup", 0, "untimed steps per combination")
@@ -271,11 +348,12 @@ class TrainerOptions:
         return out
 
 
-DDP_OPTIONS = {
-    "bucket_cap_mb": "megabytes of gradients per all-reduce bucket (null: torch's 25)",
-    "static_graph": "true when the model uses the same parameters every step",
-    "find_unused_parameters": "true when some parameters get no gradient in a step",
-}
+DDP_OPTIONS = {f.name: f.metadata["help"] for f in dataclasses.fields(DDPConfig)}
+
+
+def _plain(value: Any) -> Any:
+    """A config section's value as plain Python (omegaconf's containers as dict/list)."""
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
 def check_ddp_options(options: Mapping[str, Any] | None, key: str = "ddp") -> dict[str, Any]:
@@ -429,11 +507,13 @@ def seed_everything(seed: int) -> None:
 
 
 def apply_process_settings(options: TrainerOptions, device: torch.device | None = None) -> None:
-    """Threads, determinism and seeds: process-wide settings a run makes.
-
-    Called by the CLI before it builds data and model (so their initialisation is
-    seeded) and again by the Trainer, which makes a Python API run start from the
-    same random state as a CLI run."""
+    """Threads and determinism: the process-wide settings a run makes, once per
+    options (the CLI applies them before it builds data and model; the Trainer
+    applies those it is given unless they were). Seeding is not here: each of
+    them seeds what it is about to build (:func:`seed_everything`)."""
+    if getattr(options, "_applied", False):
+        return
+    options._applied = True  # type: ignore[attr-defined]
     if options.threads is not None:
         torch.set_num_threads(options.threads)
     if options.deterministic:
@@ -449,4 +529,3 @@ def apply_process_settings(options: TrainerOptions, device: torch.device | None 
         else:
             # Only switched on: turning it off here would undo a user's own global choice.
             torch.use_deterministic_algorithms(True)
-    seed_everything(options.seed)

@@ -15,7 +15,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from slipstream.config.options import INT64, TrainerOptions, check_target, parse_peak_tflops
+from slipstream.config.options import INT64, TrainerOptions, config_dataclass
 from slipstream.config.recipes import find_recipe
 from slipstream.errors import ConfigError, ConfigWarning, did_you_mean
 
@@ -77,48 +77,8 @@ class LossConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. label_smoothing: 0.1
 
 
-@dataclass
-class DDPConfig:
-    # DistributedDataParallel, the default wrap of a run of several processes.
-    bucket_cap_mb: Optional[float] = None  # gradients per all-reduce bucket; None: torch's 25
-    static_graph: bool = False  # the same parameters are used every step
-    find_unused_parameters: bool = False  # some parameters get no gradient in a step
-
-
-@dataclass
-class TrainerConfig:
-    max_duration: str = "5ep"
-    seed: int = 0
-    eval_interval: Optional[str] = "1ep"  # None: no evaluation at all
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    run_dir: Optional[str] = None  # None: runs/<recipe>-<date>-<time>
-    log_interval: int = 20  # batches between train records (the only device syncs)
-    checkpoint_interval: Optional[str] = "1ep"  # None: no checkpoints at all
-    checkpoint_keep: int = 2  # interval checkpoints kept besides latest.pt
-    load_path: Optional[str] = None  # a checkpoint to resume from
-    # Continue the run in run_dir from its latest.pt when there is one (a requeued job).
-    autoresume: bool = False
-    load_weights_only: bool = False  # load_path gives the model weights only: fine-tuning
-    load_ignore_keys: list[str] = field(default_factory=list)  # globs of weights not loaded
-    load_weights: str = "model"  # model | a plugin's weights in the checkpoint, e.g. ema
-    overwrite: bool = False  # clear the run files of a run_dir that already holds a run
-    on_nonfinite: str = "stop"  # stop | warn: what a NaN or infinite training loss does
-    best_metric: Optional[str] = "accuracy"  # accuracy | accuracy_top5 | loss | null: what best.pt keeps
-    progress_bar: bool = True
-    threads: Optional[int] = None  # torch.set_num_threads; None: torch's default
-    deterministic: bool = False  # torch.use_deterministic_algorithms
-    target_accuracy: Optional[float] = None  # in (0, 1]: records time_to_target_s
-    stop_at_target: bool = False  # end the run at target_accuracy (status target_reached)
-    # The device's peak TFLOP/s for MFU: a number, or {fp32: .., bf16: .., fp16: ..};
-    # None: probed once per machine and cached.
-    peak_tflops: Optional[Any] = None
-    ddp: DDPConfig = field(default_factory=DDPConfig)
-    # Measured auto: time the variants plugins declare (mixed_precision dtype auto: bf16
-    # or fp32; channels_last mode auto: NHWC or NCHW) at fit start, cached per machine
-    # (docs/auto.md); false: no measurement, each plugin's fallback.
-    autotune: bool = True
-    autotune_warmup: int = 1  # untimed training steps per combination
-    autotune_steps: int = 2  # timed training steps per combination (the fastest counts)
+# The trainer section follows TrainerOptions, the one definition of trainer settings.
+TrainerConfig = config_dataclass(TrainerOptions, "TrainerConfig")
 
 
 @dataclass
@@ -399,9 +359,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"model.num_classes must be at least 1, got {cfg.model.num_classes}")
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
-    check_target(cfg.trainer.target_accuracy, cfg.trainer.stop_at_target)
     check_data(cfg)
-    parse_peak_tflops(_plain(cfg.trainer.peak_tflops))
 
 
 # More loader processes than this only thrash (and a typo of a few digits would
