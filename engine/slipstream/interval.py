@@ -73,22 +73,17 @@ class RunInterval:
     def __init__(self, every: Duration | str | None) -> None:
         self.every = Duration.parse(every) if every else None
         self._interval: Interval | None = None
+        # Whether a mark can fall inside an epoch, so that batch_end must ask: every
+        # interval but none and a whole number of epochs (those marks are epoch
+        # ends). Most runs evaluate and checkpoint per epoch: their batch_end check
+        # is this one attribute.
+        self.mid_epoch = self.every is not None and not (
+            self.every.unit == "ep" and float(self.every.value).is_integer()
+        )
 
     @property
     def enabled(self) -> bool:
         return self.every is not None
-
-    @property
-    def mid_epoch(self) -> bool:
-        """Whether a mark can fall inside an epoch, so ``batch_end`` must ask: every
-        interval but none and a whole number of epochs (those marks are epoch ends).
-
-        >>> [RunInterval(every).mid_epoch for every in (None, "2ep", "0.5ep", "100ba", "60s")]
-        [False, False, True, True, True]
-        """
-        return self.every is not None and not (
-            self.every.unit == "ep" and float(self.every.value).is_integer()
-        )
 
     def start(self, state: State) -> None:
         """Wait for the first mark after the run's current time (call at fit_start)."""
@@ -103,7 +98,14 @@ class RunInterval:
         return self._interval.due(state.time_in(self.every.unit))
 
     def due_at_batch_end(self, state: State) -> bool:
-        if self.every is not None and self.every.unit == "ep":
+        """Whether a mark inside the epoch is reached at this batch_end.
+
+        >>> [RunInterval(every).mid_epoch for every in (None, "2ep", "0.5ep", "100ba", "60s")]
+        [False, False, True, True, True]
+        """
+        if not self.mid_epoch:
+            return False
+        if self.every.unit == "ep":
             per_epoch = state.batches_per_epoch
             if not per_epoch or state.timestamp.batch_in_epoch >= per_epoch:
                 return False  # the epoch ends here: epoch_end decides

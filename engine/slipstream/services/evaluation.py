@@ -46,7 +46,9 @@ class Evaluator:
     @hookimpl
     def batch_end(self, state: State) -> None:
         # The last batch is evaluated by fit_end, once.
-        if not state.is_done() and self.interval.due_at_batch_end(state) and self.guard(state):
+        if not self.interval.mid_epoch or state.is_done():
+            return
+        if self.interval.due_at_batch_end(state) and self.guard(state):
             self.evaluate(state)
 
     @hookimpl
