@@ -50,6 +50,7 @@ quartiles are the spread to trust; here it is several per cent).
     .venv/bin/python benchmarks/bench_overhead.py --opcodes   # the engine's Python per batch, counted
     .venv/bin/python benchmarks/bench_overhead.py --whole-runs [--steps 1000 --repeats 11]
     .venv/bin/python benchmarks/bench_overhead.py --fit-calls 15   # more whole runs
+    .venv/bin/python benchmarks/bench_overhead.py --phases --threads 2   # a run's one-off costs
     .venv/bin/python benchmarks/bench_overhead.py --quick
 """
 
@@ -363,6 +364,57 @@ def main_fit_calls(repeats: int, epochs: int = 2) -> None:
         )
 
 
+# What a run does once, beyond its loop: each is timed by wrapping it in this process.
+PHASES = {
+    "FLOP count for MFU (per input size)": ("slipstream.services.utilization", None, "training_flops_per_sample"),
+    "run directory (config.yaml, metrics log)": ("slipstream.trainer", None, "prepare_run_dir"),
+    "summary.json": ("slipstream.services.summary", "SummaryWriter", "_write"),
+    "measured auto (none to measure here)": ("slipstream.trainer", "Trainer", "_choose_variants"),
+    "hooks bound": ("slipstream.trainer", "Trainer", "_bind_hooks"),
+    "all of fit(), its one step included": ("slipstream.trainer", "Trainer", "fit"),
+}
+
+
+def main_phases(runs: int = 15) -> None:
+    """A 1-batch ``fit()`` of the anchor workload, its one-off phases timed apart (the
+    median over ``runs`` runs in this process, the first two left out)."""
+    import functools
+    import importlib
+
+    taken: dict[str, list[float]] = {name: [] for name in PHASES}
+    for name, (module_name, owner_name, attr) in PHASES.items():
+        module = importlib.import_module(module_name)
+        owner = getattr(module, owner_name) if owner_name else module
+        function = getattr(owner, attr)
+
+        @functools.wraps(function)
+        def timed(*args, _function=function, _name=name, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _function(*args, **kwargs)
+            finally:
+                taken[_name].append(time.perf_counter() - started)
+
+        setattr(owner, attr, timed)
+    step = []
+    for _ in range(runs):
+        data, model, optimizer = anchor_setup()
+        with tempfile.TemporaryDirectory() as tmp:
+            Trainer(model=model, optimizer=optimizer, train_data=data, max_duration="1ba",
+                    run_dir=Path(tmp) / "run", progress_bar=False, checkpoint_interval=None,
+                    eval_interval=None, verbose=False).fit()
+        data, model, optimizer = anchor_setup()
+        x, y = next(iter(data))
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        step.append(time.perf_counter() - started)
+    print(f"a 1-batch fit() of the anchor workload, {runs} runs, {torch.get_num_threads()} thread(s): ms, median")
+    for name, times in [*taken.items(), ("one hand-written step", step)]:
+        print(f"{1e3 * statistics.median(times[2:]):8.2f}  {name}")
+
+
 def main_opcodes(args) -> None:
     """The engine's Python per batch, counted: opcode events (``sys.settrace``) in
     slipstream's own files over the Trainer's steps after warm-up, per function. Not a
@@ -416,6 +468,7 @@ def main() -> None:
     p.add_argument("--log-interval", type=int, default=20, help="the Trainer's log_interval (default 20)")
     p.add_argument("--opcodes", action="store_true", help="count the engine's Python opcodes per batch (no timing)")
     p.add_argument("--fit-calls", type=int, default=None, help="whole fit() calls per variant (default 7; 0: skip)")
+    p.add_argument("--phases", action="store_true", help="a run's one-off costs, phase by phase (no loop)")
     args = p.parse_args()
     # Paired: fewer, longer runs (each pair is its own comparison); whole runs: many.
     steps, warmup, repeats = (1000, 50, 11) if args.whole_runs else (3000, 100, 3)
@@ -427,6 +480,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.opcodes:
         return main_opcodes(args)
+    if args.phases:
+        return main_phases()
     variants: dict[str, dict] = {
         "Trainer bare": {"progress_bar": False},
         "Trainer + progress bar": {"progress_bar": True},
