@@ -1,9 +1,11 @@
-"""One run set-up for the CLI and the Python API.
+"""The run-level settings, defined once, and one run set-up for the CLI and the Python API.
 
-:class:`TrainerOptions` holds every run-level setting the Trainer takes; the CLI
-builds it from ``cfg.trainer`` and the Trainer from its keywords, and both go through
-:meth:`TrainerOptions.validate` and :func:`apply_process_settings`, so a run set up
-either way seeds, sets threads, validates and normalises the same.
+:class:`TrainerOptions` declares every setting the Trainer takes (its default, what it
+is, the type of its YAML value); the config's ``trainer`` section
+(:func:`config_dataclass`) and the Trainer's keywords follow from it. The CLI builds
+the options from ``cfg.trainer`` and the Trainer from its keywords; both go through
+:meth:`TrainerOptions.validate`, and :func:`apply_process_settings` applies threads
+and determinism once, so a run set up either way validates, normalises and seeds the same.
 """
 
 from __future__ import annotations
