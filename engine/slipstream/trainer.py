@@ -148,7 +148,6 @@ class Trainer:
                 f"(got options= and {', '.join(settings)})"
             )
         self.options = o = options.validate()
-        self.target_accuracy = o.target_accuracy
         peak = parse_peak_tflops(o.peak_tflops)
         self.device = o.device if isinstance(o.device, torch.device) else resolve_device(o.device)
         apply_process_settings(o, self.device)
@@ -170,7 +169,6 @@ class Trainer:
         if note and self.verbose:
             print(f"slipstream: {note}", file=sys.stderr)
         self.config = config or self._describe_run(model, optimizer)
-        self.on_nonfinite = o.on_nonfinite
         self.load_path = Path(o.load_path) if o.load_path else None
         self.weights_only = o.load_weights_only
         overwrite = o.overwrite
@@ -207,8 +205,8 @@ class Trainer:
 
         self.utilization = Utilization(peak, verbose=self.verbose)
         self.target = (
-            TargetAccuracy(self.target_accuracy, o.stop_at_target)
-            if self.target_accuracy is not None
+            TargetAccuracy(o.target_accuracy, o.stop_at_target)
+            if o.target_accuracy is not None
             else None
         )
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -326,7 +324,7 @@ class Trainer:
         # The batches' losses, read by the metrics log and before each checkpoint;
         # the divergence monitor looks at every read.
         self.losses = TrainLosses()
-        self.divergence = DivergenceMonitor(self.losses, self.on_nonfinite)
+        self.divergence = DivergenceMonitor(self.losses, self.options.on_nonfinite)
         self.checkpointer = Checkpointer(
             self.run_dir,
             self._checkpoint_payload,
