@@ -21,7 +21,6 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from torchvision import datasets as tv_datasets
 from torchvision import transforms
 
 from bench_imagefolder import write_tree
-from common import parser
+from common import image_folder_args
 from slipstream.data import DataRequest, build_dataset_plugin
 
 
@@ -101,17 +100,7 @@ def theirs(kind: str, options: dict, size: int, batch: int, workers: int) -> Ite
 
 
 def main() -> None:
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--workers", type=int, default=0, help="DataLoader workers, both sides")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--size", type=int, default=64, help="output side length (px)")
-    p.add_argument("--source", type=int, nargs=2, default=[320, 240], help="written W H")
-    p.add_argument("--per-class", type=int, default=100)
-    args = p.parse_args()
-    if args.quick:
-        args.per_class, args.repeats = 16, 1
-    torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore", message=".*TorchVision are deprecated.*")
+    args = image_folder_args(__doc__.splitlines()[0])
     print(
         f"{args.per_class * 10} JPEG images of {args.source[0]}x{args.source[1]} -> {args.size} px, "
         f"batch {args.batch}, {args.workers} workers, {args.threads} threads, {args.repeats} repeats (median)"

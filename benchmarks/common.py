@@ -19,6 +19,7 @@ import statistics
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,24 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per variant")
     p.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, one repetition")
     return p
+
+
+def image_folder_args(description: str) -> argparse.Namespace:
+    """The options of the benchmarks that write an ImageFolder of JPEGs and read it
+    back (bench_data, bench_imagefolder), parsed; threads set, torchvision's decoder
+    deprecation silenced."""
+    p = parser(description)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers, both sides")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--size", type=int, default=64, help="output side length (px)")
+    p.add_argument("--source", type=int, nargs=2, default=[320, 240], help="written W H")
+    p.add_argument("--per-class", type=int, default=100)
+    args = p.parse_args()
+    if args.quick:
+        args.per_class, args.repeats = 16, 1
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message=".*TorchVision are deprecated.*")
+    return args
 
 
 def random_loader(n: int, image_size: int, batch_size: int, num_classes: int = 10) -> DataLoader:
