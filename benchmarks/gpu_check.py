@@ -334,7 +334,48 @@ def report(out: Path, work: Path, dry_run: bool) -> int:
     return 0
 
 
+def train(args: list[str], dump_after: float) -> int:
+    """``slipstream train ARGS`` with the moments it spends outside the run's clock
+    stamped in its log (imports, the end of ``main``), and every thread's stack
+    written there if it is still going after ``dump_after`` seconds: a run that has
+    finished but does not exit shows where it waits."""
+    import faulthandler
+    import time
+
+    started = time.monotonic()
+
+    def stamp(what: str) -> None:
+        print(f"gpu_check: {what} at {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+
+    faulthandler.dump_traceback_later(dump_after, exit=False)
+    from slipstream.cli.main import main as slipstream_main
+
+    stamp("slipstream imported")
+    code = slipstream_main(["train", *args])
+    stamp(f"slipstream train returned {code}; the process exits now")
+    return code
+
+
+def stamp_lines() -> int:
+    """Copy standard input to standard output, each line led by the seconds since start."""
+    import time
+
+    started = time.monotonic()
+    for line in sys.stdin:
+        sys.stdout.write(f"{time.monotonic() - started:7.1f}  {line}")
+        sys.stdout.flush()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # gpu_check.py train [--dump-after S] SLIPSTREAM-ARGS...
+        dump_after = 600.0
+        if argv[1:2] == ["--dump-after"]:
+            dump_after, argv = float(argv[2]), argv[:1] + argv[3:]
+        return train(argv[1:], dump_after)
+    if argv[:1] == ["stamp"]:
+        return stamp_lines()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prereq")

@@ -49,8 +49,9 @@ step() {
         return 0
     fi
     echo "gpu_check: $name (limit ${limit} s)"
-    timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
-    rc=$?
+    # Each line of the log led by its second: where a step's time goes shows there.
+    timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | "$PYTHON" -u benchmarks/gpu_check.py stamp >"$WORK/$name.log"
+    rc=${PIPESTATUS[0]}
     printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - started))" >>"$WORK/steps.tsv"
     if [[ $rc != 0 ]]; then
         echo "gpu_check: $name exited $rc$([[ $rc == 124 || $rc == 137 ]] && echo ' (time limit)'); its last lines:"
@@ -94,12 +95,18 @@ install() {
 }
 export -f install
 export WHEELS DRY PYTHON SITE
-step install 45 bash -c install || { echo "gpu_check: the installation failed; see $WORK/install.log" >&2; cp "$WORK/install.log" "$OUT/" 2>/dev/null; exit 1; }
+step install 40 bash -c install || { echo "gpu_check: the installation failed; see $WORK/install.log" >&2; cp "$WORK/install.log" "$OUT/" 2>/dev/null; exit 1; }
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
-# 3. The CUDA tests (skipped, with the reason, on a machine without CUDA).
-step cuda_tests 210 "$PYTHON" -m pytest -v -m cuda -rs -p no:cacheprovider --junitxml="$WORK/cuda_tests.xml" \
-    tests/cuda tests/algorithms/test_mixed_precision.py tests/algorithms/test_matmul_precision.py
+# 3. The CUDA tests (skipped, with the reason, on a machine without CUDA). Quick files
+# first, and the ones that start processes or compile last: if the limit cuts the step
+# short, the log still holds every test that ran.
+# GPU_CHECK_TESTS="EXPR": only the CUDA tests that pytest's -k EXPR selects (a rerun).
+SELECT=(); [[ -n "${GPU_CHECK_TESTS:-}" ]] && SELECT=(-k "$GPU_CHECK_TESTS")
+step cuda_tests 170 "$PYTHON" -m pytest -v -m cuda -rs -p no:cacheprovider --junitxml="$WORK/cuda_tests.xml" "${SELECT[@]}" \
+    tests/cuda/test_cuda_precision.py tests/algorithms/test_mixed_precision.py \
+    tests/algorithms/test_matmul_precision.py tests/cuda/test_cuda_data.py \
+    tests/cuda/test_cuda_compile_memory.py tests/cuda/test_cuda_distributed.py
 
 # 4. The time-to-accuracy pair: fp32 baseline, then the fast recipe with bf16,
 # channels-last and torch.compile. Each run in its own process and time limit.
@@ -115,9 +122,15 @@ else
     BASE_EPOCHS=${GPU_CHECK_BASE_EPOCHS:-16} FAST_EPOCHS=${GPU_CHECK_FAST_EPOCHS:-8} FAST_EXTRA=()
 fi
 COMMON=("${SCALE[@]}" trainer.progress_bar=false trainer.checkpoint_interval=null)
-step baseline 85 "$PYTHON" -m slipstream train --recipe resnet18_baseline "${COMMON[@]}" \
+# GPU_CHECK_COMPILE=0: the fast run without torch_compile (its compilation is paid
+# inside the run's time, which a short run may not win back).
+COMPILE=(--algorithms torch_compile)
+if [[ "${GPU_CHECK_COMPILE:-1}" == 0 ]]; then COMPILE=() FAST_EXTRA=(); fi
+# `gpu_check.py train` is `slipstream train` that stamps its time outside the run and,
+# 8 s before the limit, writes every thread's stack to the log.
+step baseline 120 "$PYTHON" benchmarks/gpu_check.py train --dump-after 112 --recipe resnet18_baseline "${COMMON[@]}" \
     trainer.max_duration="${BASE_EPOCHS}ep" trainer.run_dir="$WORK/baseline"
-step fast 120 "$PYTHON" -m slipstream train --recipe resnet18_fast --algorithms torch_compile "${COMMON[@]}" \
+step fast 140 "$PYTHON" benchmarks/gpu_check.py train --dump-after 132 --recipe resnet18_fast "${COMPILE[@]}" "${COMMON[@]}" \
     algorithms.mixed_precision.dtype=bf16 "${FAST_EXTRA[@]}" \
     trainer.max_duration="${FAST_EPOCHS}ep" trainer.run_dir="$WORK/fast"
 

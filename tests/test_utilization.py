@@ -124,6 +124,7 @@ def test_mfu_is_against_the_peak_of_the_compute_dtype(tmp_path: Path) -> None:
     fp32_run = train(tmp_path / "a", model=conv_net(), peak_tflops=peaks).summary
     bf16_run = train(tmp_path / "b", [bf16], model=conv_net(), peak_tflops=peaks).summary
     assert fp32_run["compute_dtype"] == "fp32" and bf16_run["compute_dtype"] == "bf16"
+    assert fp32_run["peak_dtype"] == "fp32" and bf16_run["peak_dtype"] == "bf16"
     per_sample = analytic_train_flops(16, 16)
     for summary, peak in ((fp32_run, 1.0), (bf16_run, 4.0)):
         assert summary["mfu"] == pytest.approx(summary["samples_per_s"] * per_sample / (peak * 1e12))
@@ -312,6 +313,45 @@ def test_the_real_probe_measures_a_plausible_rate() -> None:
     assert torch.equal(torch.get_rng_state(), started)  # the run's random stream untouched
 
 
+@pytest.fixture
+def tf32_flags():
+    """torch's TF32 switches, put back after the test."""
+    kept = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = kept
+
+
+def test_fp32_on_cuda_is_measured_against_tf32_where_tensor_cores_run_it(tf32_flags) -> None:
+    # Decided from torch's flags and the model alone, so it is checked here without a GPU.
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    resnet = conv_net()
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, num_classes=10)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+    assert pf.peak_name(torch.float32, cuda, resnet) == "tf32"  # cuDNN's default: convolutions on TF32
+    assert pf.peak_name(None, cuda, resnet) == "tf32"
+    assert pf.peak_name(torch.float32, cuda, vit) == "fp32"  # its matmuls stay fp32; a conv stem is not the bulk
+    assert pf.peak_name(torch.bfloat16, cuda, resnet) == "bf16"
+    assert pf.peak_name(torch.float32, cpu, resnet) == "fp32"
+    torch.backends.cudnn.allow_tf32 = False
+    assert pf.peak_name(torch.float32, cuda, resnet) == "fp32"
+    torch.backends.cuda.matmul.allow_tf32 = True  # torch.set_float32_matmul_precision("high")
+    assert pf.peak_name(torch.float32, cuda, vit) == "tf32"
+    assert pf.peak_name(torch.float32, cpu, vit) == "fp32"
+
+
+def test_the_probe_sets_tf32_for_the_tf32_peak_only_and_puts_the_flag_back(tf32_flags, monkeypatch) -> None:
+    seen = {}
+    monkeypatch.setattr(
+        pf, "measure_matmul_flops", lambda device, dtype, **_: seen.setdefault(dtype, []).append(
+            torch.backends.cuda.matmul.allow_tf32) or 1.0
+    )
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for name in ("fp32", "tf32", "bf16"):
+        pf._probe(torch.device("cuda"), name)
+    assert seen == {torch.float32: [False, True], torch.bfloat16: [False]}
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+
+
 @pytest.mark.parametrize(
     "value, message",
     [
@@ -330,6 +370,7 @@ def test_bad_peak_tflops_is_a_clear_error(tmp_path, value, message) -> None:
 
 def test_peak_tflops_per_dtype_parses() -> None:
     assert pf.parse_peak_tflops({"fp32": 0.2, "bf16": 1}) == {"fp32": 0.2e12, "bf16": 1e12}
+    assert pf.parse_peak_tflops({"tf32": 400}) == {"tf32": 400e12}
     assert pf.parse_peak_tflops(2) == {"*": 2e12}
     assert pf.parse_peak_tflops(None) is None
 

@@ -237,9 +237,11 @@ def build_augmentation(config: GpuAugmentationConfig | None = None) -> nn.Module
     return nn.Sequential(*stages)
 
 
-# The range arguments of kornia's generators (a crop's scale and aspect ratio) that
-# they keep as given, numbers included.
-_RANGES = ("scale", "ratio")
+# The range arguments of kornia's generators that they keep as given, numbers included,
+# and only compute with: a crop's scale. Not its aspect ratio, whose bounds kornia reads
+# on the host (``float(ratio.min())``): as a device tensor that costs two device
+# synchronisations per batch, seen on an H100 (docs/results/2026-11-26-gpu-h100.md).
+_RANGES = ("scale",)
 
 
 def _numbers(value: Any) -> bool:
@@ -263,9 +265,10 @@ def place_pipeline(pipeline: nn.Module, device: torch.device) -> nn.Module:
             for attr, value in vars(generator).items():
                 if isinstance(value, torch.Tensor) and value.device != device:
                     setattr(generator, attr, value.to(device))
-                elif attr in _RANGES and _numbers(value) and device.type != "cpu":
+                elif attr in _RANGES and _numbers(value):
                     # A range kept as numbers becomes a new device tensor, copied from
-                    # the host, at every batch: make it one once.
+                    # the host, at every batch: make it one once (on the CPU too, where
+                    # it is merely cheaper, so that the CPU runs the device's path).
                     setattr(generator, attr, torch.tensor(value, dtype=torch.float32, device=device))
     return pipeline
 

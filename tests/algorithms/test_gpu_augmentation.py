@@ -14,6 +14,7 @@ from slipstream_gpu_augmentation import (
     build_augmentation,
     place_pipeline,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import Probe, tiny_loaders
 from helpers import train as _train
@@ -271,3 +272,32 @@ def test_uint8_batches_are_augmented_as_their_float_twins_and_left_unmodified():
     torch.testing.assert_close(from_uint8, from_float)
     assert not torch.equal(from_uint8, x.float() / 255)
     assert torch.equal(x, kept)
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts reads of a tensor's value by the host (``.item()``, ``bool()``,
+    ``float()``): on a GPU each one waits for the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_placed_light_pipeline_reads_no_value_on_the_host():
+    # The CPU runs the device's path (ranges held as tensors), so a host read that
+    # would synchronise a GPU at every batch shows here. kornia reads the crop's
+    # aspect-ratio bounds on the host: held as a tensor, they cost two reads per batch.
+    x = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8)
+    pipeline = place_pipeline(build_augmentation(), x.device)
+    augment_batch(x, pipeline, seed=0)  # builds the crop for this input size
+    crop = pipeline[0].by_size["16x16"]._param_generator
+    assert isinstance(crop.scale, torch.Tensor) and not isinstance(crop.ratio, torch.Tensor)
+    with _HostReads() as counted:
+        out = augment_batch(x, pipeline, seed=1)
+    assert counted.reads == 0
+    assert not torch.equal(out, augment_batch(x, pipeline, seed=2))

@@ -51,13 +51,25 @@ def test_summary_has_cuda_peak_memory_and_a_plausible_mfu(tmp_path):
     assert peak["bf16"] > peak["fp32"] > 1  # tensor cores: bf16 far above plain fp32
 
 
+def test_an_fp32_convnet_is_measured_against_the_tf32_peak(tmp_path):
+    # cuDNN runs fp32 convolutions on TF32 tensor cores by default: against the true
+    # fp32 peak a ResNet-18 showed 120 % MFU on an H100.
+    assert torch.backends.cudnn.allow_tf32
+    fit_cuda(tmp_path, [], max_duration="6ba")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["compute_dtype"] == "fp32" and summary["peak_dtype"] == "tf32"
+    assert 0 < summary["mfu"] < 1
+
+
 def test_the_probed_peak_is_plausible_for_the_device(tmp_path):
     previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")  # fp32 as fp32, not TF32 (another test may have set it)
+    torch.set_float32_matmul_precision("highest")  # the probe sets TF32 itself, and puts this back
     try:
         peak = peak_flops(torch.device("cuda"), path=tmp_path / "peak.json").tflops()
+        assert torch.get_float32_matmul_precision() == "highest"
     finally:
         torch.set_float32_matmul_precision(previous)
+    assert peak["tf32"] > 2 * peak["fp32"], peak  # TF32 tensor cores: several times plain fp32
     name = torch.cuda.get_device_name()
     sheet = next((v for k, v in DATASHEET.items() if k in name), None)
     if sheet is None:

@@ -30,7 +30,7 @@ def _one_process(tmp_path: Path, mode: str) -> dict:
     path = os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])
     result = subprocess.run(
         [sys.executable, str(HERE / "nccl_one_process.py"), mode, str(out), str(_free_port())],
-        capture_output=True, text=True, timeout=150, env={**os.environ, "PYTHONPATH": path},
+        capture_output=True, text=True, timeout=75, env={**os.environ, "PYTHONPATH": path},
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(out.read_text())

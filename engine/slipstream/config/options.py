@@ -38,6 +38,9 @@ NormalizeOption = Union[str, tuple[Sequence[float], Sequence[float]], None]
 
 # The dtypes by the names configs use (peak_tflops, plugins' dtype options).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The peaks peak_tflops may name: the dtypes, and tf32 (fp32 tensors computed on CUDA's
+# TF32 tensor cores, which cuDNN convolutions use by default).
+PEAK_NAMES = (*DTYPES, "tf32")
 
 
 # -- validators of trainer keys that the engine's services act on ---------------------
@@ -93,7 +96,7 @@ def parse_peak_tflops(value: Any, source: str = "trainer.peak_tflops") -> dict[s
     that holds for every dtype); None stays None (probe)."""
     if value is None:
         return None
-    allowed = ", ".join(DTYPES)
+    allowed = ", ".join(PEAK_NAMES)
     if isinstance(value, dict):
         items = dict(value)
         if not items:
@@ -107,7 +110,7 @@ def parse_peak_tflops(value: Any, source: str = "trainer.peak_tflops") -> dict[s
         )
     parsed = {}
     for name, tflops in items.items():
-        if name != "*" and name not in DTYPES:
+        if name != "*" and name not in PEAK_NAMES:
             raise ConfigError(f"{source}: unknown dtype {name!r}; allowed: {allowed}")
         if not _positive(tflops):
             raise ConfigError(f"{source}.{name} must be a positive number of TFLOP/s, got {tflops!r}")

@@ -41,10 +41,12 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    # The generators take their states as CPU byte tensors only, and a checkpoint
+    # loaded onto the run's device (map_location) brings them there.
+    torch.set_rng_state(state["torch"].cpu())
     random.setstate(_to_tuples(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def _to_lists(value: Any) -> Any:

@@ -5,6 +5,12 @@ until one takes long enough to time) and cached per machine in
 ``$XDG_CACHE_HOME/slipstream/peak_flops.json`` (``~/.cache`` without it), keyed by
 device, thread count and torch version, so a machine pays for the probe once.
 ``trainer.peak_tflops`` skips the probe: a number for every dtype, or one per dtype.
+
+On CUDA, fp32 tensors may be computed on TF32 tensor cores, about 8x the rate of
+true fp32 on an H100: cuDNN convolutions do by default (``cudnn.allow_tf32``), and
+matmuls where ``torch.set_float32_matmul_precision`` allows it. So a CUDA device has
+a ``tf32`` peak beside ``fp32``; :func:`peak_name` says which one a run is measured
+against (against true fp32, a ResNet in fp32 showed 120 % MFU on an H100).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import os
 import platform
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,6 +39,7 @@ __all__ = [
     "machine_key",
     "measure_matmul_flops",
     "parse_peak_tflops",
+    "peak_name",
     "peak_flops",
     "probe_dtypes",
 ]
@@ -64,14 +72,52 @@ def dtype_name(dtype: torch.dtype | None) -> str:
 
 
 def probe_dtypes(device: torch.device) -> list[str]:
-    """The dtypes a run on ``device`` may compute in: fp32 and bf16 (where the
-    device has it), and fp16 on CUDA (fp16 on CPU is emulated: not a peak)."""
+    """The peaks a run on ``device`` may be measured against: fp32 and bf16 (where
+    the device has it); on CUDA also tf32 and fp16 (fp16 on CPU is emulated: not a peak)."""
     if device.type == "cuda":
-        names = ["fp32", "fp16"]
+        names = ["fp32", "tf32", "fp16"]
         if torch.cuda.is_bf16_supported():
-            names.insert(1, "bf16")
+            names.insert(2, "bf16")
         return names
     return ["fp32", "bf16"]
+
+
+def peak_name(compute_dtype: torch.dtype | None, device: torch.device, model: torch.nn.Module) -> str:
+    """The peak a run computing in ``compute_dtype`` on ``device`` is measured
+    against: the dtype's own, except fp32 on CUDA where the bulk of the model's
+    math runs on TF32 tensor cores: matmuls when torch's fp32 matmul precision
+    allows TF32; convolutions when cuDNN allows it and the model's convolution
+    weights outnumber its linear ones (a ResNet, not a ViT with a conv patch stem)."""
+    name = dtype_name(compute_dtype)
+    if name != "fp32" or device.type != "cuda":
+        return name
+    if torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    if torch.backends.cudnn.enabled and torch.backends.cudnn.allow_tf32:
+        conv = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.modules.conv._ConvNd))
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        if conv > linear:
+            return "tf32"
+    return "fp32"
+
+
+@contextmanager
+def _fp32_matmuls_on_tf32(device: torch.device, allowed: bool) -> Iterator[None]:
+    """CUDA fp32 matmuls on TF32 tensor cores (``allowed``) or in true fp32."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _probe(device: torch.device, name: str) -> float:
+    with _fp32_matmuls_on_tf32(device, name == "tf32"):
+        return measure_matmul_flops(device, DTYPES.get(name, torch.float32))
 
 
 def cache_path() -> Path:
@@ -93,12 +139,11 @@ def device_label(device: torch.device) -> str:
 
 
 def machine_key(device: torch.device, threads: int | None = None) -> str:
-    """The cache key: the device (GPU name or CPU model), the threads a CPU run uses,
-    the torch version, and fp32 matmul precision on CUDA (TF32 changes the peak)."""
+    """The cache key: the device (GPU name or CPU model), the threads a CPU run uses
+    and the torch version. (The fp32 and tf32 peaks are probed apart, whatever the
+    run's fp32 matmul precision.)"""
     parts = [device.type, device_label(device)]
-    if device.type == "cuda":
-        parts.append(f"fp32_matmul={torch.get_float32_matmul_precision()}")
-    else:
+    if device.type != "cuda":
         parts.append(f"threads={threads or torch.get_num_threads()}")
     parts.append(f"torch={torch.__version__}")
     return " | ".join(parts)
@@ -177,7 +222,7 @@ def peak_flops(
         return Peak(_at_least_fp32({n: float(cached[n]) for n in names}), "cache")
     if on_probe is not None:
         on_probe()
-    flops = {n: measure_matmul_flops(device, DTYPES[n]) for n in names}
+    flops = {n: _probe(device, n) for n in names}
     cache[key] = {
         "flops": flops,  # as measured
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -202,7 +247,7 @@ def raise_peak(
     (or one whose FLOPs were miscounted) says nothing about the device, and one such
     figure in the cache would shrink every later run's MFU."""
     names = probe_dtypes(device)
-    fresh = {n: measure_matmul_flops(device, DTYPES[n]) for n in names}
+    fresh = {n: _probe(device, n) for n in names}
     flops = {n: max(peak.flops.get(n, 0.0), fresh[n]) for n in names}
     path = path or cache_path()
     cache = read_cache(path)

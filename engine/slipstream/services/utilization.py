@@ -3,11 +3,12 @@
 MFU (model FLOPs utilisation) is the training FLOPs the model needs per second of
 training, over the device's peak FLOP/s in the dtype the run computes in: the bf16
 peak under bf16 autocast, fp32 otherwise (``state.compute_dtype``, which precision
-plugins set). FLOPs per sample are counted once per input size, on a meta copy of
-the model (:mod:`slipstream.services.flops`), so an image-size curriculum is counted at each
+plugins set), or tf32 for fp32 on CUDA's TF32 tensor cores (:func:`peak_name`).
+FLOPs per sample are counted once per input size, on a meta copy of the model
+(:mod:`slipstream.services.flops`), so an image-size curriculum is counted at each
 size it uses; the count takes no training time (``state.untimed``) and changes
-nothing in the run. The peak comes from :mod:`slipstream.services.peak_flops`, probed in
-``init``, before the run's clock starts.
+nothing in the run. The peak comes from :mod:`slipstream.services.peak_flops`,
+probed in ``init``, before the run's clock starts.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from slipstream.errors import ConfigError
 from slipstream.hookspecs import hookimpl
 from slipstream.services.flops import training_flops_per_sample
 from slipstream.services.memory import PeakMemory
-from slipstream.services.peak_flops import Peak, dtype_name, peak_flops, raise_peak
+from slipstream.services.peak_flops import Peak, dtype_name, peak_flops, peak_name, raise_peak
 from slipstream.state import State
 
 _UNSEEN = object()  # equal to no shape
@@ -40,6 +41,7 @@ class Utilization:
         self.configured = peak_tflops
         self.verbose = verbose
         self.peak: Peak | None = None
+        self.peak_name = "fp32"  # the peak MFU is measured against (set in init)
         self.memory: PeakMemory | None = None
         # Training FLOPs of this session on this process; None once a count failed,
         # since a partial count would understate MFU.
@@ -60,11 +62,12 @@ class Utilization:
                 print("slipstream: peak FLOP/s: probing the device (cached after)", file=sys.stderr)
 
         self.peak = peak_flops(state.device, self.configured, threads=torch.get_num_threads(), on_probe=tell)
-        dtype = dtype_name(state.compute_dtype)
-        if self.peak.source == "config" and dtype not in self.peak.flops:
+        self.peak_name = name = peak_name(state.compute_dtype, state.device, state.unwrapped_model)
+        if self.peak.source == "config" and name not in self.peak.flops:
+            what = "fp32 computed on TF32 tensor cores" if name == "tf32" else "the dtype this run computes in"
             raise ConfigError(
-                f"trainer.peak_tflops has no value for {dtype}, the dtype this run computes in; "
-                f"give one number for every dtype or add {dtype}"
+                f"trainer.peak_tflops has no value for {name} ({what}); "
+                f"give one number for every dtype or add {name}"
             )
         self.memory = PeakMemory(state.device)
 
@@ -131,7 +134,7 @@ class Utilization:
         run's compute dtype; None when either is unknown."""
         if flops is None or self.peak is None or seconds <= 0:
             return None
-        peak = self.peak.flops.get(dtype_name(state.compute_dtype))
+        peak = self.peak.flops.get(self.peak_name)
         return flops / (seconds * peak) if peak else None
 
     def summary(self, state: State, train_s: float) -> dict[str, Any]:
@@ -142,7 +145,7 @@ class Utilization:
         mfu = self.mfu(state, self.flops, train_s)
         if mfu is not None and mfu > 1 and self.peak is not None and self.peak.source != "config":
             # Impossible: the cached or probed peak was measured on a busy machine.
-            dtype = dtype_name(state.compute_dtype)
+            dtype = self.peak_name
             achieved = self.flops / train_s
             warnings.warn(
                 f"slipstream: this run did {achieved / 1e9:.1f} GFLOP/s in {dtype}, more than the "
@@ -155,6 +158,7 @@ class Utilization:
         return {
             "mfu": mfu,
             "compute_dtype": dtype_name(state.compute_dtype),
+            "peak_dtype": self.peak_name,  # the peak MFU is against: compute_dtype's, or tf32
             "peak_tflops": self.peak.tflops() if self.peak is not None else None,
             "peak_source": self.peak.source if self.peak is not None else None,
             "train_flops_per_sample": {
