@@ -1,4 +1,5 @@
-"""build_loader: a DataLoader whose batches depend only on (seed, epoch, start_batch)."""
+"""build_loader: a DataLoader whose batches depend only on (seed, epoch, start_batch);
+stop_workers: end a loader's persistent worker processes."""
 
 from __future__ import annotations
 
@@ -68,3 +69,18 @@ def build_loader(
         worker_init_fn=seed_worker if num_workers > 0 else None,
         generator=sampler.generator,
     )
+
+
+def stop_workers(*loaders: object) -> None:
+    """End the persistent worker processes of ``loaders`` (any object; those that are
+    not DataLoaders with live workers are skipped); the next epoch would start new ones.
+
+    Call it when the loaders' run is over. Left to the interpreter's exit, the workers
+    were told to stop too late: on Python 3.12 the exit waited the 5 s join timeout for
+    each of them, 40 s for two loaders of four workers on an H100 machine.
+    """
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None) if isinstance(loader, DataLoader) else None
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+            loader._iterator = None
