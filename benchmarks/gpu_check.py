@@ -224,17 +224,21 @@ def _tests(xml: Path) -> dict[str, Any]:
 def _pair(work: Path) -> dict[str, Any]:
     from slipstream.run.results import compare_runs_json, load_run
 
-    runs, rows = [], {}
+    runs, loaded, rows = [], [], {}
     for name in PAIR:
         run_dir = work / name
         try:
             runs.append(load_run(run_dir))
+            loaded.append(name)
         except Exception as exc:  # a run that never started or was cut off before its summary
             rows[name] = {"run": name, "error": f"{type(exc).__name__}: {exc}"}
     if len(runs) == len(PAIR):
         # Time to the baseline's final accuracy, as `slipstream compare` reads it.
         for name, row in zip(PAIR, compare_runs_json(runs), strict=True):
             rows[name] = {**row, "time_to_baseline_final_s": row["time_to_target_s"]}
+    else:  # one run alone (the other left out or failed): its own figures
+        for name, run in zip(loaded, runs, strict=True):
+            rows[name] = compare_runs_json([run])[0]
     for name in PAIR:
         summary_path = work / name / "summary.json"
         if summary_path.is_file() and name in rows:
@@ -242,7 +246,7 @@ def _pair(work: Path) -> dict[str, Any]:
             rows[name].update(
                 {
                     key: summary.get(key)
-                    for key in ("status", "device_name", "samples_per_s", "peak_tflops", "compute_dtype")
+                    for key in ("status", "device_name", "samples_per_s", "peak_tflops", "compute_dtype", "peak_dtype")
                 }
             )
             rows[name]["compile_time_s"] = summary.get("compile_time_s")
@@ -335,10 +339,10 @@ def report(out: Path, work: Path, dry_run: bool) -> int:
 
 
 def train(args: list[str], dump_after: float) -> int:
-    """``slipstream train ARGS`` with the moments it spends outside the run's clock
-    stamped in its log (imports, the end of ``main``), and every thread's stack
-    written there if it is still going after ``dump_after`` seconds: a run that has
-    finished but does not exit shows where it waits."""
+    """``slipstream train ARGS`` that says in its log when ``main`` returned (the
+    process should end right after), and writes every thread's stack there if it is
+    still going after ``dump_after`` seconds: a run that has finished but does not
+    exit shows where it waits."""
     import faulthandler
     import time
 
@@ -350,7 +354,6 @@ def train(args: list[str], dump_after: float) -> int:
     faulthandler.dump_traceback_later(dump_after, exit=False)
     from slipstream.cli.main import main as slipstream_main
 
-    stamp("slipstream imported")
     code = slipstream_main(["train", *args])
     stamp(f"slipstream train returned {code}; the process exits now")
     return code

@@ -240,7 +240,7 @@ def build_augmentation(config: GpuAugmentationConfig | None = None) -> nn.Module
 # The range arguments of kornia's generators that they keep as given, numbers included,
 # and only compute with: a crop's scale. Not its aspect ratio, whose bounds kornia reads
 # on the host (``float(ratio.min())``): as a device tensor that costs two device
-# synchronisations per batch, seen on an H100 (docs/results/2026-11-26-gpu-h100.md).
+# synchronisations per batch, seen on an H100 (docs/results/2026-11-26-gpu-check-h100.md).
 _RANGES = ("scale",)
 
 
