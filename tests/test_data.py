@@ -43,6 +43,30 @@ def test_synthetic_sample_does_not_depend_on_dataset_size() -> None:
     assert torch.equal(small.targets, large.targets[:7])
 
 
+def test_a_large_synthetic_set_is_rendered_in_processes_with_the_same_pixels(monkeypatch) -> None:
+    import os
+
+    import slipstream.data.synthetic as synthetic
+
+    sequential = SyntheticShapes(40, image_size=16, seed=5)
+    children = []
+    real = synthetic._render_range
+
+    def recorded(*args):
+        children.append(os.getpid())
+        return real(*args)
+
+    monkeypatch.setattr(synthetic, "_render_range", recorded)  # the children are forked: they see it
+    monkeypatch.setattr(synthetic, "_processes_for", lambda size: 3)
+    parallel = SyntheticShapes(40, image_size=16, seed=5)
+    assert torch.equal(parallel.images, sequential.images)
+    assert torch.equal(parallel.targets, sequential.targets)
+    assert not children  # the forked processes rendered every sample, the parent none
+    # Only large sets pay for processes; a small one renders where it is.
+    monkeypatch.undo()
+    assert synthetic._processes_for(synthetic.PARALLEL_MIN_SAMPLES - 1) == 1
+
+
 def test_synthetic_differs_across_splits_and_seeds() -> None:
     base = SyntheticShapes(10, image_size=16, seed=0, split="train")
     other_split = SyntheticShapes(10, image_size=16, seed=0, split="val")
