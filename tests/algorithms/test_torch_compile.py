@@ -241,3 +241,22 @@ def test_inductor_compiles_and_trains(tmp_path):
     assert record.compiled == [True] * 3
     assert trainer.summary["compile"]["compiles"] == 1
     assert trainer.summary["compile_time_s"] > 0
+
+
+def test_a_run_mostly_spent_compiling_is_told_so(tmp_path, monkeypatch):
+    import slipstream_torch_compile as plugin
+
+    # A short eager-backend run: its compile takes a fraction of a second, under the
+    # 1 s that calls for a word.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet = fit(tmp_path / "quiet", [eager()], max_duration="3ba")
+    assert not [w for w in caught if "rarely wins that back" in str(w.message)]
+    assert 0 < quiet.summary["compile"]["share_of_run"]
+    # The same run had its compilation taken several seconds, most of the run (as on
+    # an H100, 26 s of a 32 s run): the user hears that compiling did not pay.
+    monkeypatch.setattr(plugin._StepClock, "compile_time", lambda self: 2.5)  # training and evaluation each
+    monkeypatch.setattr(plugin.State, "session_elapsed_s", property(lambda self: 6.0))
+    with pytest.warns(UserWarning, match=r"compiling took 5.0 s, 83 % of this run's 6.0 s"):
+        loud = fit(tmp_path / "loud", [eager()], max_duration="3ba")
+    assert loud.summary["compile"]["share_of_run"] == pytest.approx(5 / 6, abs=1e-3)
