@@ -339,3 +339,21 @@ def test_a_bad_import_path_is_one_line_naming_it(user_module, tmp_path, capsys, 
     assert code == 2 and "Traceback" not in err
     assert fragment in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_ends_its_loader_workers_before_returning(cli_run, tmp_path, capsys, monkeypatch):
+    import torch.utils.data.dataloader as dataloader
+
+    _, run = cli_run
+    stopped = []
+    shutdown = dataloader._MultiProcessingDataLoaderIter._shutdown_workers
+
+    def recorded(iterator):
+        if not iterator._shutdown:
+            stopped.append(([w.is_alive() for w in iterator._workers], sys._getframe(1).f_code.co_name))
+        shutdown(iterator)
+
+    monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "_shutdown_workers", recorded)
+    args = ["eval", "--checkpoint", str(run), "-o", str(tmp_path / "m.json")]
+    assert main([*args, "data.num_workers=2", "data.persistent_workers=true"]) == 0
+    assert stopped == [([True, True], "stop_workers")]  # the eval loader's, not left to the exit

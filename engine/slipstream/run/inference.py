@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slipstream.data.loaders import stop_workers
 from slipstream.errors import CheckpointError, ConfigError
 from slipstream.run.checkpoint import load_checkpoint, select_weights, weights_in
 from slipstream.run.directory import atomic_write_text
@@ -134,7 +135,10 @@ def evaluate_checkpoint(
         state = rebuilt.trainer.state
         if state.eval_loader is None:
             raise ConfigError("slipstream eval: the config gives no eval data")
-        metrics = rebuilt.trainer.evaluator.evaluate(state)
+        try:
+            metrics = rebuilt.trainer.evaluator.evaluate(state)
+        finally:  # persistent workers left to the interpreter's exit delay it (data.loaders)
+            stop_workers(state.train_loader, state.eval_loader)
         metrics = dict(state.eval_metrics if not metrics else metrics)
     ts = rebuilt.payload.get("timestamp", {})
     result = {
