@@ -512,3 +512,30 @@ def test_imagefolder_reads_formats_torchvision_io_lacks_and_names_unreadable_fil
     (tmp_path / "broken.jpg").write_bytes(b"not a picture")
     with pytest.raises(DataError, match="cannot decode .*broken.jpg"):
         read_rgb(str(tmp_path / "broken.jpg"))
+
+
+def test_fit_ends_its_loaders_persistent_workers_and_a_second_fit_starts_new_ones(tmp_path) -> None:
+    # Left to the interpreter's exit, they kept an H100 run's process alive 40 s after
+    # its summary (Python 3.12: the 5 s join timeout, once per worker).
+    import multiprocessing
+
+    from slipstream import Trainer
+
+    data = SyntheticShapes(32, image_size=16, num_classes=4)
+    loaders = [
+        build_loader(data, batch_size=8, num_workers=2, persistent_workers=True),
+        build_loader(data, batch_size=8, shuffle=False, drop_last=False, num_workers=2, persistent_workers=True),
+    ]
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4))
+    trainer = Trainer(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_data=loaders[0],
+        eval_data=loaders[1], max_duration="1ep", run_dir=tmp_path / "run", progress_bar=False, verbose=False,
+    )
+    trainer.fit()
+    assert all(loader._iterator is None for loader in loaders)
+    assert multiprocessing.active_children() == []  # no worker left running
+    again = Trainer(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_data=loaders[0],
+        eval_data=loaders[1], max_duration="1ep", run_dir=tmp_path / "again", progress_bar=False, verbose=False,
+    ).fit()
+    assert again["status"] == "completed" and again["batches"] == 4

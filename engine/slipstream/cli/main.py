@@ -339,7 +339,6 @@ def _train(args: argparse.Namespace) -> int:
     from slipstream.cli.runner import build_trainer
     from slipstream.config.recipes import DEFAULT_RECIPE
     from slipstream.config.schema import build_config
-    from slipstream.data.loaders import stop_workers
 
     recipe = args.recipe or DEFAULT_RECIPE
     cfg = build_config(recipe, args.algorithms, args.overrides, callbacks=args.callbacks)
@@ -361,8 +360,6 @@ def _train(args: argparse.Namespace) -> int:
         # The run began and ended `failed` (a full disk, a file-size limit, unreadable
         # data mid-run): one line, and the exit code of that status.
         return _fail(message, EXIT_FAILED)
-    finally:
-        stop_workers(trainer.state.train_loader, trainer.state.eval_loader)
     if trainer.state.rank == 0:
         if not args.quiet:
             print(format_summary(summary))

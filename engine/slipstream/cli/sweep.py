@@ -36,7 +36,6 @@ from optuna.trial import TrialState
 
 from slipstream.cli.runner import build_trainer
 from slipstream.config.schema import build_config, known_num_classes, to_dict
-from slipstream.data.loaders import stop_workers
 from slipstream.errors import ConfigError, did_you_mean
 from slipstream.hookspecs import hookimpl
 from slipstream.optim import OPTIMIZERS
@@ -342,10 +341,7 @@ def _run_trial(
     trainer = build_trainer(cfg, label=run_dir.name, verbose=False)
     hook = PruningHook(trial, metric)
     trainer.pm.register(hook, name=PruningHook.name)
-    try:
-        summary = trainer.fit()
-    finally:  # one trial's workers, not a growing crowd of every trial's
-        stop_workers(trainer.state.train_loader, trainer.state.eval_loader)
+    summary = trainer.fit()
     status = summary.get("status")
     params = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items())
     if status == "interrupted":
