@@ -35,7 +35,7 @@ from common import compare, mixed_precision_bf16, parser, random_loader
 from slipstream import Algorithm
 from slipstream.models import build_model
 from slipstream.services.flops import training_flops_per_sample
-from slipstream.services.peak_flops import peak_flops
+from slipstream.services.peak_flops import peak_flops, peak_name
 
 VARIANTS = {  # name: (channels_last, bf16)
     "fp32": (False, False),
@@ -51,23 +51,29 @@ def network(width: int) -> torch.nn.Module:
     return build_model("resnet18", 10, cifar_stem=True, channels=channels, stem_width=width)
 
 
-def loop_step_times(width: int, size: int, batch: int, cl: bool, bf16: bool, steps: int, warmup: int):
-    """(CPU seconds, wall seconds) per step, medians, of a hand-written training loop."""
+def loop_step_times(
+    width: int, size: int, batch: int, cl: bool, bf16: bool, steps: int, warmup: int, device: str = "cpu"
+):
+    """(CPU seconds, wall seconds) per step, medians, of a hand-written training loop.
+    On CUDA each step ends with a synchronisation, so its wall time is the device's."""
     model = network(width)
     fmt = torch.channels_last if cl else torch.contiguous_format
-    model = model.to(memory_format=fmt)
+    model = model.to(device=device, memory_format=fmt)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    inputs = torch.randn(batch, 3, size, size).contiguous(memory_format=fmt)
-    targets = torch.randint(0, 10, (batch,))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    inputs = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=fmt)
+    targets = torch.randint(0, 10, (batch,), device=device)
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     cpu, wall = [], []
     for i in range(warmup + steps):
+        sync()
         c0, w0 = time.process_time(), time.perf_counter()
         with autocast:
             loss = F.cross_entropy(model(inputs), targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        sync()
         if i >= warmup:
             cpu.append(time.process_time() - c0)
             wall.append(time.perf_counter() - w0)
@@ -91,13 +97,20 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--sizes", type=int, nargs="+", default=[32], help="input sizes in px (the first is the baseline's)")
     p.add_argument("--engine", action="store_true", help="also time each variant at the first size through the Trainer")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU check's comparison")
     args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch.cuda.is_available() is False on this machine")
     if args.quick:
         args.width, args.sizes, args.steps, args.warmup, args.repeats = 8, [16], 3, 1, 1
     torch.set_num_threads(args.threads)
-    peak = peak_flops(torch.device("cpu"), threads=args.threads)
+    device = torch.device(args.device)
+    peak = peak_flops(device, threads=args.threads)
+    # fp32 on CUDA runs its convolutions on TF32 tensor cores (cuDNN's default).
+    fp32_peak = peak_name(torch.float32, device, network(args.width))
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{args.threads} threads"
     print(
-        f"CIFAR-stem ResNet-18, width {args.width}, batch {args.batch}, {args.threads} threads, "
+        f"CIFAR-stem ResNet-18, width {args.width}, batch {args.batch}, {where}, "
         f"peak ({peak.source}): " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peak.flops.items()),
         flush=True,
     )
@@ -110,7 +123,7 @@ def main() -> None:
     for _ in range(args.repeats):  # interleaved, so a noisy machine slows every variant alike
         for name, size in cases:
             cl, bf16 = VARIANTS[name]
-            c, w = loop_step_times(args.width, size, args.batch, cl, bf16, args.steps, args.warmup)
+            c, w = loop_step_times(args.width, size, args.batch, cl, bf16, args.steps, args.warmup, args.device)
             cpu[name, size].append(c)
             wall[name, size].append(w)
     base = cases[0]
@@ -119,7 +132,7 @@ def main() -> None:
     print(f"{'variant':<24} {'px':>4} {'CPU ms':>8} {'speed-up':>9} {'wall ms':>8} {'speed-up':>9} {'MFU':>6}")
     for name, size in cases:
         c, w = statistics.median(cpu[name, size]), statistics.median(wall[name, size])
-        dtype = "bf16" if VARIANTS[name][1] else "fp32"
+        dtype = "bf16" if VARIANTS[name][1] else fp32_peak
         mfu = flops[size] * args.batch / w / peak.flops[dtype]
         print(
             f"{name:<24} {size:>4} {1e3 * c:>8.1f} {b_cpu / c:>8.2f}x {1e3 * w:>8.1f} {b_wall / w:>8.2f}x "
@@ -134,7 +147,9 @@ def main() -> None:
         }
         size = args.sizes[0]
         data = random_loader(args.batch * (args.warmup + args.steps), size, args.batch)
-        results = compare(variants, data, steps=args.steps, warmup=args.warmup, repeats=args.repeats)
+        results = compare(
+            variants, data, steps=args.steps, warmup=args.warmup, repeats=args.repeats, device=args.device
+        )
         engine_base = results["fp32"].median_step_s
         print(f"\nthrough slipstream.Trainer at {size} px (wall time; gain against the loop's gain)")
         print(f"{'variant':<24} {'wall ms':>8} {'speed-up':>9} {'of loop':>8}")

@@ -253,6 +253,17 @@ def _pair(work: Path) -> dict[str, Any]:
     return rows
 
 
+def _plain_loop(log: Path) -> list[str]:
+    """The tables of ``bench_plain_loop.py`` (the log's lines from its first table on,
+    without the step log's time stamps)."""
+    if not log.is_file():
+        return []
+    stamp = re.compile(r"^\s*\d+\.\d  ")  # gpu_check.py stamp's "   12.3  " before each line
+    lines = [stamp.sub("", line, count=1) for line in log.read_text().splitlines()]
+    start = next((i for i, line in enumerate(lines) if line.startswith("hand-written loop")), None)
+    return [] if start is None else lines[start:]
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -280,6 +291,7 @@ def report(out: Path, work: Path, dry_run: bool) -> int:
         steps[name] = {"exit": int(rc), "seconds": float(seconds), "timed_out": int(rc) in (124, 137)}
     tests = _tests(work / "cuda_tests.xml")
     pair = _pair(work)
+    plain = _plain_loop(work / "plain_loop.log")
     result = {
         "dry_run": dry_run,
         "device": device,
@@ -289,6 +301,7 @@ def report(out: Path, work: Path, dry_run: bool) -> int:
         "steps": steps,
         "cuda_tests": tests,
         "pair": pair,
+        "plain_loop": plain,
     }
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     lines = [
@@ -332,6 +345,9 @@ def report(out: Path, work: Path, dry_run: bool) -> int:
     if base.get("time_to_baseline_final_s") and fast.get("time_to_baseline_final_s"):
         speedup = base["time_to_baseline_final_s"] / fast["time_to_baseline_final_s"]
         lines.append(f"  fast reaches the baseline's final accuracy {speedup:.2f}x sooner")
+    if plain:
+        lines += ["", "the pair's network on random data on the device (benchmarks/bench_plain_loop.py):"]
+        lines += [f"  {line}" for line in plain]
     text = "\n".join(lines) + "\n"
     (out / "gpu_check.txt").write_text(text)
     print(text, end="")

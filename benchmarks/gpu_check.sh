@@ -8,7 +8,8 @@
 #   4. runs the time-to-accuracy pair scaled for a GPU: the CIFAR-stem ResNet-18 at full
 #      width, batch 512, 25k synthetic images; resnet18_baseline (fp32) against
 #      resnet18_fast + bf16 + channels-last + torch.compile,
-#   5. writes gpu_check.json and gpu_check.txt (and the logs) to $OUT.
+#   5. times the same network in a hand-written loop and through the Trainer (MFU's reference),
+#   6. writes gpu_check.json and gpu_check.txt (and the logs) to $OUT.
 # Every step has a time limit; together they end within 8 minutes on an H100.
 #
 #   bash benchmarks/gpu_check.sh             on the GPU machine (python3, or $PYTHON)
@@ -103,7 +104,7 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 # short, the log still holds every test that ran.
 # GPU_CHECK_TESTS="EXPR": only the CUDA tests that pytest's -k EXPR selects (a rerun).
 SELECT=(); [[ -n "${GPU_CHECK_TESTS:-}" ]] && SELECT=(-k "$GPU_CHECK_TESTS")
-step cuda_tests 170 "$PYTHON" -m pytest -v -m cuda -rs -p no:cacheprovider --junitxml="$WORK/cuda_tests.xml" "${SELECT[@]}" \
+step cuda_tests 150 "$PYTHON" -m pytest -v -m cuda -rs -p no:cacheprovider --junitxml="$WORK/cuda_tests.xml" "${SELECT[@]}" \
     tests/cuda/test_cuda_precision.py tests/algorithms/test_mixed_precision.py \
     tests/algorithms/test_matmul_precision.py tests/cuda/test_cuda_data.py \
     tests/cuda/test_cuda_compile_memory.py tests/cuda/test_cuda_distributed.py
@@ -128,15 +129,25 @@ COMPILE=(--algorithms torch_compile)
 if [[ "${GPU_CHECK_COMPILE:-1}" == 0 ]]; then COMPILE=() FAST_EXTRA=(); fi
 # `gpu_check.py train` is `slipstream train` that stamps its time outside the run and,
 # 8 s before the limit, writes every thread's stack to the log.
-step baseline 120 "$PYTHON" benchmarks/gpu_check.py train --dump-after 112 --recipe resnet18_baseline "${COMMON[@]}" \
+step baseline 100 "$PYTHON" benchmarks/gpu_check.py train --dump-after 92 --recipe resnet18_baseline "${COMMON[@]}" \
     trainer.max_duration="${BASE_EPOCHS}ep" trainer.run_dir="$WORK/baseline"
-step fast 140 "$PYTHON" benchmarks/gpu_check.py train --dump-after 132 --recipe resnet18_fast "${COMPILE[@]}" "${COMMON[@]}" \
+step fast 120 "$PYTHON" benchmarks/gpu_check.py train --dump-after 112 --recipe resnet18_fast "${COMPILE[@]}" "${COMMON[@]}" \
     algorithms.mixed_precision.dtype=bf16 "${FAST_EXTRA[@]}" \
     trainer.max_duration="${FAST_EPOCHS}ep" trainer.run_dir="$WORK/fast"
 
-# 5. The report, and the logs beside it (at most 8 files come back from $OUT).
+# 5. The pair's network in a hand-written loop, and through the Trainer, on random data
+# already on the device: what MFU the model reaches here without the engine, fp32 and
+# bf16, NCHW and channels-last (the reference the pair's MFU is read against).
+if [[ $DRY == 1 ]]; then
+    PLAIN=(--quick --threads 1)
+else
+    PLAIN=(--device cuda --width 64 --batch 512 --sizes 32 --steps 20 --warmup 5 --repeats 2)
+fi
+step plain_loop 60 "$PYTHON" benchmarks/bench_plain_loop.py "${PLAIN[@]}" --engine
+
+# 6. The report, and the logs beside it (at most 8 files come back from $OUT).
 "$PYTHON" benchmarks/gpu_check.py report --out "$OUT" --work "$WORK" "${DRYFLAG[@]}" || exit 1
-for f in install cuda_tests baseline fast; do [[ -f "$WORK/$f.log" ]] && cp "$WORK/$f.log" "$OUT/$f.log"; done
+for f in install cuda_tests baseline fast plain_loop; do [[ -f "$WORK/$f.log" ]] && cp "$WORK/$f.log" "$OUT/$f.log"; done
 [[ -f "$WORK/cuda_tests.xml" ]] && cp "$WORK/cuda_tests.xml" "$OUT/"
 echo "gpu_check: report in $OUT/gpu_check.txt and $OUT/gpu_check.json (work files in $WORK)"
 failed=$(awk -F'\t' '$2 != 0 && $2 != "skipped"' "$WORK/steps.tsv" | wc -l)

@@ -46,7 +46,7 @@ def test_the_dry_run_installs_offline_trains_the_pair_and_reports(dry_run):
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["dry_run"] is True
     assert {name: step["exit"] for name, step in report["steps"].items()} == {
-        "install": 0, "cuda_tests": None, "baseline": 0, "fast": 0,
+        "install": 0, "cuda_tests": None, "baseline": 0, "fast": 0, "plain_loop": 0,
     }
     install_log = (out / "install.log").read_text()
     assert "algorithms load from" in install_log  # the engine and plugins came from the temporary target
@@ -56,6 +56,8 @@ def test_the_dry_run_installs_offline_trains_the_pair_and_reports(dry_run):
     assert pair["fast"]["compile_time_s"] is not None  # torch_compile was in the fast run
     text = (out / "gpu_check.txt").read_text()
     assert "time-to-accuracy pair" in text and "baseline" in text and "fast" in text
+    # The network in a hand-written loop and through the Trainer: the pair's MFU reference.
+    assert report["plain_loop"][0].startswith("hand-written loop") and "through slipstream.Trainer" in text
     assert len(list(out.iterdir())) <= 8  # what comes back from the device machine's $OUT
 
 
