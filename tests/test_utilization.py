@@ -332,6 +332,8 @@ def test_fp32_on_cuda_is_measured_against_tf32_where_tensor_cores_run_it(tf32_fl
     assert pf.peak_name(torch.float32, cuda, vit) == "fp32"  # its matmuls stay fp32; a conv stem is not the bulk
     assert pf.peak_name(torch.bfloat16, cuda, resnet) == "bf16"
     assert pf.peak_name(torch.float32, cpu, resnet) == "fp32"
+    lazy = nn.Sequential(nn.LazyConv2d(64, 3), nn.Flatten(), nn.Linear(8, 2))  # unbuilt: no weights yet
+    assert pf.peak_name(torch.float32, cuda, lazy) == "fp32"
     torch.backends.cudnn.allow_tf32 = False
     assert pf.peak_name(torch.float32, cuda, resnet) == "fp32"
     torch.backends.cuda.matmul.allow_tf32 = True  # torch.set_float32_matmul_precision("high")

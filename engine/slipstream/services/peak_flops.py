@@ -94,11 +94,20 @@ def peak_name(compute_dtype: torch.dtype | None, device: torch.device, model: to
     if torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     if torch.backends.cudnn.enabled and torch.backends.cudnn.allow_tf32:
-        conv = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.modules.conv._ConvNd))
-        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-        if conv > linear:
+        if _weights(model, torch.nn.modules.conv._ConvNd) > _weights(model, torch.nn.Linear):
             return "tf32"
     return "fp32"
+
+
+def _weights(model: torch.nn.Module, kind: type) -> int:
+    """How many weights the ``kind`` layers of ``model`` hold (lazy layers not yet
+    built count none)."""
+    total = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None) if isinstance(module, kind) else None
+        if isinstance(weight, torch.Tensor) and not isinstance(weight, torch.nn.parameter.UninitializedParameter):
+            total += weight.numel()
+    return total
 
 
 @contextmanager
