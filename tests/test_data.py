@@ -65,6 +65,9 @@ def test_a_large_synthetic_set_is_rendered_in_processes_with_the_same_pixels(mon
     # Only large sets pay for processes; a small one renders where it is.
     monkeypatch.undo()
     assert synthetic._processes_for(synthetic.PARALLEL_MIN_SAMPLES - 1) == 1
+    # A daemonic process (a DataLoader worker, say) may not have children: it renders alone.
+    monkeypatch.setattr(synthetic.multiprocessing.current_process(), "daemon", True, raising=False)
+    assert synthetic._processes_for(10 * synthetic.PARALLEL_MIN_SAMPLES) == 1
 
 
 def test_synthetic_differs_across_splits_and_seeds() -> None:

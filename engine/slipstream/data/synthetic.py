@@ -289,10 +289,14 @@ def _render_range_args(args: tuple[int, int, int, np.ndarray, int]) -> np.ndarra
 
 
 def _processes_for(size: int) -> int:
-    """How many processes render ``size`` samples: one for a small set or where
-    processes cannot be forked (each sample depends only on its own seed, so the
-    pixels are the same whatever the count)."""
-    if size < PARALLEL_MIN_SAMPLES or "fork" not in multiprocessing.get_all_start_methods():
+    """How many processes render ``size`` samples: one for a small set, where
+    processes cannot be forked, or in a daemonic process (which may have no children).
+    Each sample depends only on its own seed, so the pixels are the same whatever the count."""
+    if (
+        size < PARALLEL_MIN_SAMPLES
+        or "fork" not in multiprocessing.get_all_start_methods()
+        or multiprocessing.current_process().daemon
+    ):
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, _MAX_PROCESSES, size // (PARALLEL_MIN_SAMPLES // 4)))
