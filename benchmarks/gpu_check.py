@@ -224,20 +224,18 @@ def _tests(xml: Path) -> dict[str, Any]:
 def _pair(work: Path) -> dict[str, Any]:
     from slipstream.run.results import compare_runs_json, load_run
 
-    runs, loaded, rows = [], [], {}
+    loaded, rows = {}, {}
     for name in PAIR:
-        run_dir = work / name
         try:
-            runs.append(load_run(run_dir))
-            loaded.append(name)
+            loaded[name] = load_run(work / name)
         except Exception as exc:  # a run that never started or was cut off before its summary
             rows[name] = {"run": name, "error": f"{type(exc).__name__}: {exc}"}
-    if len(runs) == len(PAIR):
+    if len(loaded) == len(PAIR):
         # Time to the baseline's final accuracy, as `slipstream compare` reads it.
-        for name, row in zip(PAIR, compare_runs_json(runs), strict=True):
+        for name, row in zip(PAIR, compare_runs_json(list(loaded.values())), strict=True):
             rows[name] = {**row, "time_to_baseline_final_s": row["time_to_target_s"]}
     else:  # one run alone (the other left out or failed): its own figures
-        for name, run in zip(loaded, runs, strict=True):
+        for name, run in loaded.items():
             rows[name] = compare_runs_json([run])[0]
     for name in PAIR:
         summary_path = work / name / "summary.json"
@@ -360,18 +358,13 @@ def train(args: list[str], dump_after: float) -> int:
     still going after ``dump_after`` seconds: a run that has finished but does not
     exit shows where it waits."""
     import faulthandler
-    import time
-
-    started = time.monotonic()
-
-    def stamp(what: str) -> None:
-        print(f"gpu_check: {what} at {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
 
     faulthandler.dump_traceback_later(dump_after, exit=False)
     from slipstream.cli.main import main as slipstream_main
 
     code = slipstream_main(["train", *args])
-    stamp(f"slipstream train returned {code}; the process exits now")
+    # The step's log stamps this line with its second: the process should end then.
+    print(f"gpu_check: slipstream train returned {code}; the process exits now", file=sys.stderr, flush=True)
     return code
 
 
@@ -387,16 +380,12 @@ def stamp_lines() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["train"]:  # gpu_check.py train [--dump-after S] SLIPSTREAM-ARGS...
-        dump_after = 600.0
-        if argv[1:2] == ["--dump-after"]:
-            dump_after, argv = float(argv[2]), argv[:1] + argv[3:]
-        return train(argv[1:], dump_after)
-    if argv[:1] == ["stamp"]:
-        return stamp_lines()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    # train [--dump-after S] SLIPSTREAM-TRAIN-ARGS...: the rest goes to slipstream as it is.
+    p = sub.add_parser("train", allow_abbrev=False)
+    p.add_argument("--dump-after", type=float, default=600.0, help="seconds before the stack dump")
+    sub.add_parser("stamp")
     p = sub.add_parser("prereq")
     p.add_argument("--wheels", type=Path, required=True)
     p.add_argument("--dry-run", action="store_true")
@@ -409,7 +398,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--dry-run", action="store_true")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "train":
+        return train(rest, args.dump_after)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "stamp":
+        return stamp_lines()
     if args.command == "prereq":
         return prereq(args.wheels, args.dry_run)
     if args.command == "site":
