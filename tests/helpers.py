@@ -117,3 +117,23 @@ def fake_distribution(
     lines = [f"{name} = {target}" for name, target in entry_points.items()]
     (info / "entry_points.txt").write_text("[slipstream.algorithms]\n" + "\n".join(lines) + "\n")
     return site
+
+
+def record_worker_shutdowns(monkeypatch) -> list[tuple[list[bool], str]]:
+    """Record each DataLoader worker shutdown that does something: whether each worker
+    was alive then, and the name of the function that asked (``stop_workers``, or
+    ``__del__`` when the loader was left to the garbage collector)."""
+    import sys
+
+    import torch.utils.data.dataloader as dataloader
+
+    seen: list[tuple[list[bool], str]] = []
+    shutdown = dataloader._MultiProcessingDataLoaderIter._shutdown_workers
+
+    def recorded(iterator) -> None:
+        if not iterator._shutdown:  # a second call does nothing
+            seen.append(([w.is_alive() for w in iterator._workers], sys._getframe(1).f_code.co_name))
+        shutdown(iterator)
+
+    monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "_shutdown_workers", recorded)
+    return seen

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers import record_worker_shutdowns
 from slipstream.cli.main import main
 
 TINY = [
@@ -246,21 +247,11 @@ def test_plot_and_compare(tmp_path, in_tmp):
 def test_train_ends_its_persistent_loader_workers_before_returning(tmp_path, monkeypatch):
     # Left to the interpreter's exit, they made an H100 run's process wait 40 s after
     # its summary (Python 3.12: the 5 s join timeout, once per worker).
-    import torch.utils.data.dataloader as dataloader
-
-    seen = []
-    shutdown = dataloader._MultiProcessingDataLoaderIter._shutdown_workers
-
-    def recorded(iterator):
-        if not iterator._shutdown:  # a second call does nothing
-            seen.append(([w.is_alive() for w in iterator._workers], sys._getframe(1).f_code.co_name))
-        shutdown(iterator)
-
-    monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "_shutdown_workers", recorded)
+    seen = record_worker_shutdowns(monkeypatch)
     overrides = ["data.num_workers=2", "data.persistent_workers=true", "trainer.progress_bar=false"]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         code = main(["train", *TINY, *overrides, "trainer.max_duration=1ep", f"trainer.run_dir={tmp_path / 'run'}"])
     assert code == 0
-    # The training and the evaluation loader: each stopped by the CLI, its workers alive
+    # The training and the evaluation loader: each stopped when fit() returned, its workers alive
     # until then, and not left for the garbage collector's __del__.
     assert seen == [([True, True], "stop_workers")] * 2

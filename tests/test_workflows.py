@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers import Probe, tiny_model, train
+from helpers import Probe, record_worker_shutdowns, tiny_model, train
 from slipstream import CheckpointError, ConfigError, Trainer, load_checkpoint
 from slipstream.cli.main import main
 from slipstream.models import build_loss, build_model
@@ -342,18 +342,8 @@ def test_a_bad_import_path_is_one_line_naming_it(user_module, tmp_path, capsys, 
 
 
 def test_eval_ends_its_loader_workers_before_returning(cli_run, tmp_path, capsys, monkeypatch):
-    import torch.utils.data.dataloader as dataloader
-
     _, run = cli_run
-    stopped = []
-    shutdown = dataloader._MultiProcessingDataLoaderIter._shutdown_workers
-
-    def recorded(iterator):
-        if not iterator._shutdown:
-            stopped.append(([w.is_alive() for w in iterator._workers], sys._getframe(1).f_code.co_name))
-        shutdown(iterator)
-
-    monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "_shutdown_workers", recorded)
+    stopped = record_worker_shutdowns(monkeypatch)
     args = ["eval", "--checkpoint", str(run), "-o", str(tmp_path / "m.json")]
     assert main([*args, "data.num_workers=2", "data.persistent_workers=true"]) == 0
     assert stopped == [([True, True], "stop_workers")]  # the eval loader's, not left to the exit
