@@ -1,13 +1,19 @@
 """slipstream.plugins.dispatch.bind calls the per-batch hooks as pluggy would: same order, same
-first-result rule, same exceptions; it hands wrappers and traced managers to pluggy."""
+first-result rule, same exceptions; it hands wrappers and traced managers to pluggy. Its
+PluginManager registers the same hooks as pluggy's."""
 
 from __future__ import annotations
 
+import types
+
 import pluggy
 import pytest
+import torch
 
-from slipstream import hookimpl, hookspecs
-from slipstream.plugins.dispatch import bind
+from helpers import tiny_loaders, tiny_model
+from slipstream import Algorithm, Trainer, hookimpl, hookspecs
+from slipstream.plugins.discovery import CALLBACKS_GROUP, ENTRY_POINT_GROUP, build_config, discover
+from slipstream.plugins.dispatch import bind, plugin_manager
 
 
 def manager(*plugins: object) -> pluggy.PluginManager:
@@ -134,3 +140,74 @@ def test_an_event_for_a_caller_that_ignores_results_is_none_the_lone_plugin_or_e
     expected, calls[:] = list(calls), []
     assert bind_event(pm, "batch_end")(state=None) is None
     assert calls == expected == ["first", "b", "a"]  # pluggy's order, results not collected
+
+
+# -- registration ---------------------------------------------------------------
+
+
+def _impls(pm: pluggy.PluginManager, plugin: object) -> set[tuple]:
+    """What ``pm`` registered of ``plugin``: each hook with its function and options."""
+    return {
+        (caller.name, impl.function.__name__, impl.tryfirst, impl.trylast, impl.wrapper, impl.hookwrapper)
+        for caller in pm.get_hookcallers(plugin) or ()
+        for impl in caller.get_hookimpls()
+        if impl.plugin is plugin
+    }
+
+
+def _both(plugin: object) -> tuple[set[tuple], set[tuple]]:
+    ours = plugin_manager(hookspecs.PROJECT, hookspecs)
+    theirs = pluggy.PluginManager(hookspecs.PROJECT)
+    theirs.add_hookspecs(hookspecs)
+    ours.register(plugin, name="p")
+    theirs.register(plugin, name="p")
+    return _impls(ours, plugin), _impls(theirs, plugin)
+
+
+def test_the_engines_manager_registers_what_pluggy_registers_for_every_real_plugin(tmp_path):
+    """The fast registration skips unmarked names: for the engine's services and every
+    installed algorithm and callback it must find exactly the hooks pluggy finds."""
+    train_data, _ = tiny_loaders()
+    model = tiny_model()
+    trainer = Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                      train_data=train_data, run_dir=tmp_path / "run", progress_bar=True, verbose=False)
+    plugins = [p for _, p in trainer.pm.list_name_plugin()]
+    for group in (ENTRY_POINT_GROUP, CALLBACKS_GROUP):
+        for info in discover(group=group).values():
+            try:
+                plugins.append(info.cls(build_config(info.cls, None)))
+            except Exception:  # one that needs options of its own: its class is checked below
+                continue
+    assert len(plugins) > 15
+    for plugin in plugins:
+        ours, theirs = _both(plugin)
+        assert ours == theirs, type(plugin).__name__
+        assert theirs or not isinstance(plugin, Algorithm), f"{type(plugin).__name__} implements no hook"
+
+
+def test_hooks_on_the_instance_and_patched_onto_the_class_are_registered():
+    class Late:
+        pass
+
+    plugin = Late()
+    plugin.batch_end = hookimpl(lambda state: None)  # on the instance
+    ours, theirs = _both(plugin)
+    assert {name for name, *_ in ours} == {name for name, *_ in theirs} == {"batch_end"}
+
+    Late.fit_end = hookimpl(lambda self, state: None)  # on the class, after it was first seen
+    ours, theirs = _both(Late())
+    assert {name for name, *_ in ours} == {name for name, *_ in theirs} == {"fit_end"}
+
+    class Child(Late):  # inherited
+        @hookimpl(tryfirst=True)
+        def eval_end(self, state: object) -> None: ...
+
+    ours, theirs = _both(Child())
+    assert ours == theirs and {name for name, *_ in ours} == {"fit_end", "eval_end"}
+
+
+def test_a_module_plugin_takes_pluggys_path():
+    module = types.ModuleType("a_plugin")
+    module.batch_end = hookimpl(lambda state: None)
+    ours, theirs = _both(module)
+    assert ours == theirs and {name for name, *_ in ours} == {"batch_end"}

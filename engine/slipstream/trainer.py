@@ -19,7 +19,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import pluggy
 import torch
 from torch import nn
 
@@ -53,7 +52,7 @@ from slipstream.plugins.discovery import (
     instantiate,
     resolve_order,
 )
-from slipstream.plugins.dispatch import bind, bind_event
+from slipstream.plugins.dispatch import bind, bind_event, plugin_manager
 from slipstream.plugins.variants import choose_variants, print_choice
 from slipstream.run.checkpoint import (
     checkpoint_payload,
@@ -210,8 +209,7 @@ class Trainer:
             if o.target_accuracy is not None
             else None
         )
-        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
-        self.pm.add_hookspecs(hookspecs)
+        self.pm = plugin_manager(hookspecs.PROJECT, hookspecs)
         self._register(normalize)
         self._hooks = SimpleNamespace()
         self._to_device = batch_mover(self.device)

@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pluggy
 import torch
 
 from slipstream import hookspecs
+from slipstream.plugins.dispatch import plugin_manager
 from slipstream.services.peak_flops import device_label, machine_key, read_cache
 from slipstream.services.peak_flops import write_cache as store_cache
 from slipstream.state import State, unwrap_model
@@ -253,8 +253,7 @@ class _Trial:
         self.state.batches_per_epoch = state.batches_per_epoch
         self.state.global_batch_size = state.global_batch_size
         self.prepare = prepare
-        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
-        self.pm.add_hookspecs(hookspecs)
+        self.pm = plugin_manager(hookspecs.PROJECT, hookspecs)
         self.pm.register(steps, name="engine.steps")
         # Only the plugins that have a choice: the others (a schedule, a logger) act
         # the same in every combination, and may expect a whole run around them.
