@@ -1,5 +1,3 @@
-import sys
+from slipstream.cli.main import console
 
-from slipstream.cli.main import main
-
-sys.exit(main())
+console()
