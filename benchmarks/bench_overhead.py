@@ -51,6 +51,7 @@ quartiles are the spread to trust; here it is several per cent).
     .venv/bin/python benchmarks/bench_overhead.py --whole-runs [--steps 1000 --repeats 11]
     .venv/bin/python benchmarks/bench_overhead.py --fit-calls 15   # more whole runs
     .venv/bin/python benchmarks/bench_overhead.py --phases --threads 2   # a run's one-off costs
+    .venv/bin/python benchmarks/bench_overhead.py --run-parts --threads 2   # fixed and per-step parts
     .venv/bin/python benchmarks/bench_overhead.py --quick
 """
 
@@ -364,6 +365,67 @@ def main_fit_calls(repeats: int, epochs: int = 2) -> None:
         )
 
 
+def anchor_trainer_fit(batches: int, engine: type[Trainer] = Trainer, without: tuple[str, ...] = ()) -> float:
+    """Seconds of one whole ``fit()`` of ``batches`` batches of the anchor workload,
+    the services ``without`` unregistered first."""
+    data, model, optimizer = anchor_setup()
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = engine(model=model, optimizer=optimizer, train_data=data, max_duration=f"{batches}ba",
+                         run_dir=Path(tmp) / "run", progress_bar=False, checkpoint_interval=None,
+                         eval_interval=None, verbose=False)
+        for name in without:
+            trainer.pm.unregister(name=name)
+        started = time.perf_counter()
+        trainer.fit()
+        return time.perf_counter() - started
+
+
+def anchor_hand_written_steps(batches: int) -> float:
+    data, model, optimizer = anchor_setup()
+    loss_fn = nn.CrossEntropyLoss()
+    started, done = time.perf_counter(), 0
+    while done < batches:
+        for x, y in data:
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+            done += 1
+            if done == batches:
+                break
+    return time.perf_counter() - started
+
+
+def main_run_parts(repeats: int, steps: int = 400) -> None:
+    """Whole runs of ``steps`` and of 1 batch, per variant, all alternated: the fixed
+    part of a run (the 1-batch run) and the per-step part (the slope between them),
+    with the engine's per-batch services taken out one group at a time."""
+    variants: dict[str, Any] = {
+        "hand-written loop": anchor_hand_written_steps,
+        "Trainer bare": anchor_trainer_fit,
+        "  without the FLOP tally": lambda n: anchor_trainer_fit(n, without=("engine.utilization",)),
+        "  without losses, metrics": lambda n: anchor_trainer_fit(n, without=("engine.losses", "engine.metrics")),
+        "  without its services": lambda n: anchor_trainer_fit(n, without=PER_BATCH_SERVICES),
+        "  + the hand-written step": lambda n: anchor_trainer_fit(n, HandWrittenBatch, PER_BATCH_SERVICES),
+    }
+    for run in variants.values():
+        run(10)  # first-call costs belong to no variant
+    taken: dict[tuple[str, int], list[float]] = {}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            for n in (steps, 1):
+                taken.setdefault((name, n), []).append(run(n))
+    ms = {key: 1e3 * statistics.median(v) for key, v in taken.items()}
+    base = ms["hand-written loop", steps]
+    print(
+        f"whole runs of the anchor workload, {steps} batches and 1 batch, {repeats} alternations, "
+        f"{torch.get_num_threads()} thread(s): medians"
+    )
+    print(f"{'variant':<28} {'run ms':>8} {'ratio':>7} {'1-batch ms':>11} {'us/step':>9}")
+    for name in variants:
+        whole, one = ms[name, steps], ms[name, 1]
+        print(f"{name:<28} {whole:>8.1f} {whole / base:>7.3f} {one:>11.2f} {1e3 * (whole - one) / (steps - 1):>9.1f}")
+
+
 # What a run does once, beyond its loop: each is timed by wrapping it in this process.
 PHASES = {
     "FLOP count for MFU (per input size)": ("slipstream.services.utilization", None, "training_flops_per_sample"),
@@ -469,6 +531,9 @@ def main() -> None:
     p.add_argument("--opcodes", action="store_true", help="count the engine's Python opcodes per batch (no timing)")
     p.add_argument("--fit-calls", type=int, default=None, help="whole fit() calls per variant (default 7; 0: skip)")
     p.add_argument("--phases", action="store_true", help="a run's one-off costs, phase by phase (no loop)")
+    p.add_argument(
+        "--run-parts", action="store_true", help="whole runs split into fixed and per-step parts, services taken out"
+    )
     args = p.parse_args()
     # Paired: fewer, longer runs (each pair is its own comparison); whole runs: many.
     steps, warmup, repeats = (1000, 50, 11) if args.whole_runs else (3000, 100, 3)
@@ -482,6 +547,8 @@ def main() -> None:
         return main_opcodes(args)
     if args.phases:
         return main_phases()
+    if args.run_parts:
+        return main_run_parts(args.fit_calls or 9)
     variants: dict[str, dict] = {
         "Trainer bare": {"progress_bar": False},
         "Trainer + progress bar": {"progress_bar": True},

@@ -34,7 +34,7 @@ from torch._inductor.utils import clear_caches
 from common import compare, parser, random_loader, report
 from slipstream import Algorithm, Trainer, hookimpl
 from slipstream.models import build_model
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 
 
 def start_compiler(cold: bool) -> None:
@@ -50,7 +50,7 @@ def installed(name: str, options: dict[str, Any]) -> Callable[[], Algorithm] | N
     if info is None or info.cls is None:
         print(f"({name} is not installed: its variants are skipped)")
         return None
-    return lambda: info.cls(build_config(info.cls, options))
+    return lambda: info.cls(plugin_config(info.cls, options))
 
 
 def step_ratio(args: Any) -> None:

@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from slipstream import Algorithm, Trainer, hookimpl
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -243,4 +243,4 @@ def mixed_precision_bf16() -> Callable[[], Algorithm] | None:
     if info is None or info.cls is None:
         print("(mixed_precision is not installed: bf16 variants skipped)")
         return None
-    return lambda: info.cls(build_config(info.cls, {"dtype": "bf16"}))
+    return lambda: info.cls(plugin_config(info.cls, {"dtype": "bf16"}))

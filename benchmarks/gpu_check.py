@@ -178,9 +178,9 @@ def verify(target: Path, load: bool) -> int:
     if origin is None or not origin.startswith(str(target)):
         print(f"gpu_check: slipstream imports from {origin}, not from {target}", file=sys.stderr)
         return 1
-    from slipstream.plugins.discovery import ENTRY_POINT_GROUP, list_installed
+    from slipstream.plugins.discovery import ALGORITHMS_GROUP, list_installed
 
-    infos = list_installed(ENTRY_POINT_GROUP, check=load)
+    infos = list_installed(ALGORITHMS_GROUP, check=load)
     broken = [f"{i.name}: {i.error}" for i in infos if getattr(i, "error", None)]
     if broken:
         print("gpu_check: algorithms that do not load: " + "; ".join(broken), file=sys.stderr)

@@ -190,7 +190,7 @@ def test_callbacks_merge_like_algorithms(tmp_path):
 
 def test_callback_config_errors_name_the_callback_and_the_key():
     cls = discover(group=CALLBACKS_GROUP)["early_stopping"].cls
-    from slipstream.plugins.discovery import build_config as plugin_config
+    from slipstream.plugins.discovery import plugin_config
 
     unknown = r"callbacks.early_stopping: unknown key 'patiense' \(did you mean 'patience'\?\)"
     with pytest.raises(ConfigError, match=unknown):

@@ -12,7 +12,7 @@ import torch
 
 from helpers import tiny_loaders, tiny_model
 from slipstream import Algorithm, Trainer, hookimpl, hookspecs
-from slipstream.plugins.discovery import CALLBACKS_GROUP, ENTRY_POINT_GROUP, build_config, discover
+from slipstream.plugins.discovery import ALGORITHMS_GROUP, CALLBACKS_GROUP, discover, plugin_config
 from slipstream.plugins.dispatch import bind, plugin_manager
 
 
@@ -172,10 +172,10 @@ def test_the_engines_manager_registers_what_pluggy_registers_for_every_real_plug
     trainer = Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                       train_data=train_data, run_dir=tmp_path / "run", progress_bar=True, verbose=False)
     plugins = [p for _, p in trainer.pm.list_name_plugin()]
-    for group in (ENTRY_POINT_GROUP, CALLBACKS_GROUP):
+    for group in (ALGORITHMS_GROUP, CALLBACKS_GROUP):
         for info in discover(group=group).values():
             try:
-                plugins.append(info.cls(build_config(info.cls, None)))
+                plugins.append(info.cls(plugin_config(info.cls, None)))
             except Exception:  # one that needs options of its own: its class is checked below
                 continue
     assert len(plugins) > 15

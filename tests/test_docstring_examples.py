@@ -10,7 +10,7 @@ import pkgutil
 import pytest
 
 import slipstream
-from slipstream.plugins.discovery import CALLBACKS_GROUP, ENTRY_POINT_GROUP, discover
+from slipstream.plugins.discovery import ALGORITHMS_GROUP, CALLBACKS_GROUP, discover
 
 
 def _engine_modules() -> list[str]:
@@ -26,7 +26,7 @@ def _plugin_modules() -> list[str]:
     return sorted(
         {
             info.target.split(":")[0]
-            for group in (ENTRY_POINT_GROUP, CALLBACKS_GROUP)
+            for group in (ALGORITHMS_GROUP, CALLBACKS_GROUP)
             for info in discover(load=False, group=group).values()
         }
     )

@@ -18,7 +18,7 @@ import pytest
 from slipstream import check_value, plugin_option
 from slipstream.cli.main import main
 from slipstream.plugins.checks import check_plugin_options, option_rule
-from slipstream.plugins.discovery import CALLBACKS_GROUP, ENTRY_POINT_GROUP, GROUPS, discover
+from slipstream.plugins.discovery import ALGORITHMS_GROUP, CALLBACKS_GROUP, GROUPS, discover
 
 TINY = [
     "model.name=test_resnet",
@@ -74,7 +74,7 @@ def _bad_values(field: dataclasses.Field, hints: dict[str, typing.Any]) -> list[
 
 def _cases() -> list[tuple[str, str, str, str]]:
     cases = []
-    for group in (ENTRY_POINT_GROUP, CALLBACKS_GROUP):
+    for group in (ALGORITHMS_GROUP, CALLBACKS_GROUP):
         kind = GROUPS[group][1]
         for name, info in discover(group=group).items():
             assert info.cls is not None, f"{name} failed to load: {info.error}"
@@ -93,7 +93,7 @@ CASES = _cases()
 
 def test_every_plugin_with_options_is_covered():
     covered = {(kind, name) for kind, name, _, _ in CASES}
-    for group in (ENTRY_POINT_GROUP, CALLBACKS_GROUP):
+    for group in (ALGORITHMS_GROUP, CALLBACKS_GROUP):
         for name, info in discover(group=group).items():
             if info.cls.config_class is not None:
                 assert (GROUPS[group][1], name) in covered

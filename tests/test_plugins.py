@@ -6,7 +6,7 @@ import pytest
 
 from helpers import fake_distribution
 from slipstream import Algorithm, ConfigError, PluginError
-from slipstream.plugins.discovery import build_config, discover, instantiate, resolve_order
+from slipstream.plugins.discovery import discover, instantiate, plugin_config, resolve_order
 
 GOOD = '''
 from dataclasses import dataclass
@@ -69,18 +69,18 @@ def test_unknown_algorithm_lists_installed_and_closest(site):
 
 def test_config_is_validated_before_the_run(site):
     cls = discover()["shout"].cls
-    assert build_config(cls, {"volume": 5}).volume == 5
+    assert plugin_config(cls, {"volume": 5}).volume == 5
     with pytest.raises(
         ConfigError,
         match=r"algorithms.shout: unknown key 'volum' \(did you mean 'volume'\?\); allowed keys: volume, word",
     ):
-        build_config(cls, {"volum": 5})
+        plugin_config(cls, {"volum": 5})
     with pytest.raises(ConfigError, match=r"algorithms.shout.volume.*int"):
-        build_config(cls, {"volume": "loud"})
+        plugin_config(cls, {"volume": "loud"})
     with pytest.raises(
         ConfigError, match=r"algorithms.shout: volume must be between 0 and 10, got 11"
     ):
-        build_config(cls, {"volume": 11})
+        plugin_config(cls, {"volume": 11})
 
 
 def test_an_algorithm_without_config_rejects_options():
@@ -88,7 +88,7 @@ def test_an_algorithm_without_config_rejects_options():
         name = "plain"
 
     with pytest.raises(ConfigError, match="algorithms.plain takes no options"):
-        build_config(Plain, {"x": 1})
+        plugin_config(Plain, {"x": 1})
 
 
 def _algo(name, after=(), before=(), conflicts=()):

@@ -38,10 +38,10 @@ from slipstream.interrupts import stop_on_signals
 from slipstream.plugins.algorithm import Algorithm
 from slipstream.plugins.callback import Callback
 from slipstream.plugins.discovery import (
+    ALGORITHMS_GROUP,
     CALLBACKS_GROUP,
-    ENTRY_POINT_GROUP,
     GROUPS,
-    AlgorithmInfo,
+    PluginInfo,
     algorithm_record,
     check_callbacks,
     check_callbacks_observe,
@@ -129,7 +129,7 @@ class Trainer:
         loss_fn: Callable[..., torch.Tensor] | None = None,
         schedulers: Sequence[Any] = (),
         config: dict[str, Any] | None = None,
-        installed: dict[str, AlgorithmInfo] | None = None,
+        installed: dict[str, PluginInfo] | None = None,
         options: TrainerOptions | None = None,
         **settings: Any,
     ) -> None:
@@ -157,7 +157,7 @@ class Trainer:
         rank, world_size = init_distributed(self.device)
         self.max_duration = Duration.parse(o.max_duration)
         self.installed = installed
-        chosen = self._as_plugins(algorithms, ENTRY_POINT_GROUP)
+        chosen = self._as_plugins(algorithms, ALGORITHMS_GROUP)
         self.algorithms = resolve_order(chosen, installed=self._known_names(chosen))
         self.callbacks: list[Callback] = self._as_plugins(callbacks, CALLBACKS_GROUP)
         check_callbacks(self.callbacks, self.algorithms)
@@ -255,11 +255,11 @@ class Trainer:
             "callbacks": {c.name: config_as_dict(c) for c in self.callbacks},
         }
 
-    _installed_callbacks: dict[str, AlgorithmInfo] | None = None
+    _installed_callbacks: dict[str, PluginInfo] | None = None
 
-    def _installed_of(self, group: str) -> dict[str, AlgorithmInfo]:
+    def _installed_of(self, group: str) -> dict[str, PluginInfo]:
         """The installed plugins of ``group``, discovered (not imported) once."""
-        if group == ENTRY_POINT_GROUP:
+        if group == ALGORITHMS_GROUP:
             if self.installed is None:
                 self.installed = discover(load=False)
             return self.installed
@@ -300,7 +300,7 @@ class Trainer:
         declared = {n for a in algorithms for n in (*a.runs_after, *a.runs_before)}
         if declared <= names:
             return names
-        return names | set(self._installed_of(ENTRY_POINT_GROUP))
+        return names | set(self._installed_of(ALGORITHMS_GROUP))
 
     def _register(self, normalize: tuple[Sequence[float], Sequence[float]] | None) -> None:
         # pluggy calls the last registered plugin first. Callbacks go in first

@@ -18,7 +18,7 @@ from torch import nn
 
 from helpers import Probe, tiny_model, train
 from slipstream import ConfigError, Duration, State
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 
 
 class Block(nn.Module):
@@ -173,7 +173,7 @@ def bare_state(model: nn.Module) -> State:
 
 
 def plugin(**options) -> ActivationCheckpointing:
-    return ActivationCheckpointing(build_config(ActivationCheckpointing, options))
+    return ActivationCheckpointing(plugin_config(ActivationCheckpointing, options))
 
 
 def test_timm_path_same_gradients_fewer_saved_activations():
@@ -238,7 +238,7 @@ def test_in_a_run_the_training_forward_saves_less(tmp_path, kind, path):
 )
 def test_config_errors_name_the_key_and_what_is_allowed(options, message):
     with pytest.raises(ConfigError, match=message) as info:
-        build_config(ActivationCheckpointing, options)
+        plugin_config(ActivationCheckpointing, options)
     assert "algorithms.activation_checkpointing" in str(info.value)
 
 

@@ -18,7 +18,7 @@ from slipstream_channels_last import (
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import Algorithm, ConfigError, Trainer, hookimpl
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 
 CL = torch.channels_last
 # Always NHWC: these tests are about what the conversion does, not whether auto picks it.
@@ -147,7 +147,7 @@ def test_model_without_conv_warns_and_is_left_alone(tmp_path):
 
 def test_warning_can_be_turned_off(tmp_path):
     mlp = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4))
-    cfg = build_config(ChannelsLast, {"warn_without_conv": False})
+    cfg = plugin_config(ChannelsLast, {"warn_without_conv": False})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         train(tmp_path, [ChannelsLast(cfg)], model=mlp, max_duration="1ba")
@@ -155,10 +155,10 @@ def test_warning_can_be_turned_off(tmp_path):
 
 def test_config_type_error_names_the_key():
     with pytest.raises(ConfigError, match="warn_without_conv"):
-        build_config(ChannelsLast, {"warn_without_conv": "sometimes"})
+        plugin_config(ChannelsLast, {"warn_without_conv": "sometimes"})
     with pytest.raises(ConfigError, match="allowed keys: warn_without_conv"):
-        build_config(ChannelsLast, {"warn": True})
-    assert build_config(ChannelsLast, {}) == ChannelsLastConfig()
+        plugin_config(ChannelsLast, {"warn": True})
+    assert plugin_config(ChannelsLast, {}) == ChannelsLastConfig()
 
 
 def test_checkpoint_resumes_and_loads_into_a_plain_model(tmp_path):

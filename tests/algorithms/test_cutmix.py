@@ -15,7 +15,7 @@ from slipstream_mixup import Mixup, mix_targets
 from helpers import Probe, tiny_loaders
 from helpers import train as _train
 from slipstream import ConfigError, PluginError
-from slipstream.plugins.discovery import AlgorithmInfo, build_config, discover, resolve_order
+from slipstream.plugins.discovery import PluginInfo, discover, plugin_config, resolve_order
 
 RAW_TRAIN, RAW_EVAL = (torch.cat([x for x, _ in loader]) for loader in tiny_loaders())
 LABELS = torch.cat([y for _, y in tiny_loaders()[0]])
@@ -24,12 +24,12 @@ INSTALLED = discover(load=False)
 
 
 def train(tmp_path, algos, **kwargs):
-    known = {a.name: AlgorithmInfo(a.name, "tests", "0", "helpers", cls=type(a)) for a in algos}
+    known = {a.name: PluginInfo(a.name, "tests", "0", "helpers", cls=type(a)) for a in algos}
     return _train(tmp_path, algos, installed={**INSTALLED, **known}, **kwargs)
 
 
 def cutmix(**options) -> Cutmix:
-    return Cutmix(build_config(Cutmix, options))
+    return Cutmix(plugin_config(Cutmix, options))
 
 
 def seen_batches(tmp_path, algos, **kwargs):
@@ -91,7 +91,7 @@ def test_the_box_follows_lambda_and_is_clipped_and_minmax_bounds_its_sides():
 )
 def test_bad_config_names_the_key(options, message):
     with pytest.raises(ConfigError) as info:
-        build_config(Cutmix, options)
+        plugin_config(Cutmix, options)
     assert str(info.value).startswith(message)
 
 

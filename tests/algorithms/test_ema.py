@@ -8,7 +8,7 @@ from slipstream_ema import EMA, EMAConfig, ema_update, half_life_decay
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import Algorithm, ConfigError, Duration, State, Trainer, hookimpl
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 
 
 def params(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -20,7 +20,7 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def ema(**options) -> EMA:
-    return EMA(build_config(EMA, options))
+    return EMA(plugin_config(EMA, options))
 
 
 def test_discovered_through_entry_point():
@@ -273,7 +273,7 @@ def test_state_is_loaded_after_init_as_the_contract_says():
 )
 def test_config_errors_name_the_key_and_what_is_allowed(options, message):
     with pytest.raises(ConfigError, match=message) as info:
-        build_config(EMA, options)
+        plugin_config(EMA, options)
     assert "algorithms.ema" in str(info.value)
 
 

@@ -29,7 +29,7 @@ from helpers import tiny_model
 from slipstream import CheckpointError, ConfigError, Trainer, load_checkpoint
 from slipstream.data import build_datasets, build_loader
 from slipstream.optim import build_optimizer
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 HERE = Path(__file__).parent
@@ -275,12 +275,12 @@ def test_optimizer_layouts_round_trip():
 
 def test_config_errors_name_the_key_and_what_is_allowed():
     with pytest.raises(ConfigError, match="algorithms.fsdp: param_dtype must be one of fp32, bf16, fp16"):
-        build_config(FSDP, {"param_dtype": "int8"})
+        plugin_config(FSDP, {"param_dtype": "int8"})
     with pytest.raises(ConfigError, match="modules must be 'auto' or a non-empty list"):
-        build_config(FSDP, {"modules": []})
+        plugin_config(FSDP, {"modules": []})
     with pytest.raises(ConfigError, match="min_params must be a whole number >= 1"):
-        build_config(FSDP, {"min_params": 0})
-    assert build_config(FSDP, {}) == FSDPConfig()
+        plugin_config(FSDP, {"min_params": 0})
+    assert plugin_config(FSDP, {}) == FSDPConfig()
 
 
 def test_discovered_through_the_entry_point():

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import Probe, tiny_loaders
 from helpers import train as _train
 from slipstream import Algorithm, ConfigError, Duration, State
-from slipstream.plugins.discovery import AlgorithmInfo, build_config, discover, resolve_order
+from slipstream.plugins.discovery import PluginInfo, discover, plugin_config, resolve_order
 
 # Naming every algorithm of a run (probes included) in `installed` spares the engine
 # a scan of all installed distributions at each summary/checkpoint write, which
@@ -40,12 +40,12 @@ PRESETS = [
 
 
 def train(tmp_path, algos, **kwargs):
-    known = {a.name: AlgorithmInfo(a.name, "tests", "0", "helpers", cls=type(a)) for a in algos}
+    known = {a.name: PluginInfo(a.name, "tests", "0", "helpers", cls=type(a)) for a in algos}
     return _train(tmp_path, algos, installed={**known, **INSTALLED}, **kwargs)
 
 
 def aug(**options) -> GpuAugmentation:
-    return GpuAugmentation(build_config(GpuAugmentation, options))
+    return GpuAugmentation(plugin_config(GpuAugmentation, options))
 
 
 def recorder(**hooks_to_lists):
@@ -157,7 +157,7 @@ def test_a_shape_changing_augmentation_is_refused_at_run_time():
 )
 def test_bad_config_is_refused_before_the_run_with_a_clear_message(options, message):
     with pytest.raises(ConfigError, match=message) as info:
-        build_config(GpuAugmentation, options)
+        plugin_config(GpuAugmentation, options)
     assert "algorithms.gpu_augmentation" in str(info.value)
 
 

@@ -19,7 +19,7 @@ from slipstream_grad_accumulation import (
 
 from helpers import Probe, tiny_loaders, tiny_model
 from slipstream import Algorithm, ConfigError, Trainer, hookimpl
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 
 
 class RecordingBackward(Algorithm):
@@ -96,7 +96,7 @@ def fit(tmp_path, algorithms, *, batch_size=4, model=None, max_duration="1ep", l
 
 
 def accumulate(steps: int) -> GradAccumulation:
-    return GradAccumulation(build_config(GradAccumulation, {"steps": steps}))
+    return GradAccumulation(plugin_config(GradAccumulation, {"steps": steps}))
 
 
 # -- the pure function ----------------------------------------------------------------
@@ -239,10 +239,10 @@ def test_steps_one_changes_nothing(tmp_path):
 
 def test_config_errors_name_the_key_and_what_is_allowed():
     with pytest.raises(ConfigError, match=r"algorithms.grad_accumulation: steps must be a whole number >= 1.*got 0"):
-        build_config(GradAccumulation, {"steps": 0})
+        plugin_config(GradAccumulation, {"steps": 0})
     with pytest.raises(ConfigError, match=r"algorithms.grad_accumulation.steps: .*expected int"):
-        build_config(GradAccumulation, {"steps": "four"})
-    assert build_config(GradAccumulation, {}) == GradAccumulationConfig(steps=4)
+        plugin_config(GradAccumulation, {"steps": "four"})
+    assert plugin_config(GradAccumulation, {}) == GradAccumulationConfig(steps=4)
 
 
 def test_discovered_through_the_entry_point():

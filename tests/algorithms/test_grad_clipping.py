@@ -12,7 +12,7 @@ from slipstream_grad_clipping import GradClipping, GradClippingConfig, clip_grad
 
 from helpers import Probe, train
 from slipstream import ConfigError
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 
 
 def small_model() -> torch.nn.Module:
@@ -102,7 +102,7 @@ def test_order_with_mixed_precision_bf16(tmp_path):
     if mp_cls is None:
         pytest.skip("slipstream-mixed_precision is not installed")
     # Explicit bf16: auto trains in fp32 on a CPU without bf16 units.
-    trainer, seen = run(tmp_path, [clip(max_norm=1e-3), mp_cls(build_config(mp_cls, {"dtype": "bf16"}))])
+    trainer, seen = run(tmp_path, [clip(max_norm=1e-3), mp_cls(plugin_config(mp_cls, {"dtype": "bf16"}))])
     assert [a.name for a in trainer.algorithms] == ["mixed_precision", "grad_clipping", "probe"]
     assert trainer.state.autocast_dtype == torch.bfloat16
     assert all(s["norm"] <= 1e-3 * (1 + 1e-4) for s in seen)
@@ -115,7 +115,7 @@ def test_fp16_clips_true_gradients_and_survives_overflow(tmp_path):
     mp_cls = discover()["mixed_precision"].cls
     if mp_cls is None:
         pytest.skip("slipstream-mixed_precision is not installed")
-    mp = mp_cls(build_config(mp_cls, {"dtype": "fp16"}))
+    mp = mp_cls(plugin_config(mp_cls, {"dtype": "fp16"}))
     scaled: list[float] = []
 
     def after_backward(state):
@@ -145,18 +145,18 @@ def test_fp16_clips_true_gradients_and_survives_overflow(tmp_path):
 
 def test_config_errors():
     with pytest.raises(ConfigError, match="exactly one of max_norm .* or clip_value"):
-        build_config(GradClipping, {})
+        plugin_config(GradClipping, {})
     with pytest.raises(ConfigError, match="exactly one of max_norm"):
-        build_config(GradClipping, {"max_norm": 1.0, "clip_value": 0.5})
+        plugin_config(GradClipping, {"max_norm": 1.0, "clip_value": 0.5})
     with pytest.raises(ConfigError, match="max_norm must be a finite number > 0, got -1.0"):
-        build_config(GradClipping, {"max_norm": -1.0})
+        plugin_config(GradClipping, {"max_norm": -1.0})
     with pytest.raises(ConfigError, match="clip_value must be a finite number > 0"):
-        build_config(GradClipping, {"clip_value": 0.0})
+        plugin_config(GradClipping, {"clip_value": 0.0})
     with pytest.raises(ConfigError, match="norm_type must be a number > 0"):
-        build_config(GradClipping, {"max_norm": 1.0, "norm_type": 0.0})
+        plugin_config(GradClipping, {"max_norm": 1.0, "norm_type": 0.0})
     with pytest.raises(ConfigError, match="max_norm"):
-        build_config(GradClipping, {"max_norm": "big"})
-    cfg = build_config(GradClipping, {"max_norm": 1})
+        plugin_config(GradClipping, {"max_norm": "big"})
+    cfg = plugin_config(GradClipping, {"max_norm": 1})
     assert (cfg.max_norm, cfg.clip_value, cfg.norm_type) == (1.0, None, 2.0)
 
 

@@ -15,13 +15,13 @@ from slipstream_image_size_curriculum import (
 
 from helpers import Probe, tiny_model, train
 from slipstream import ConfigError
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 
 # tiny_loaders: 64 samples in batches of 16 = 4 batches per epoch.
 
 
 def curriculum(**options) -> ImageSizeCurriculum:
-    return ImageSizeCurriculum(build_config(ImageSizeCurriculum, options))
+    return ImageSizeCurriculum(plugin_config(ImageSizeCurriculum, options))
 
 
 def recording_probe() -> tuple[Probe, list[int], list[int]]:
@@ -253,7 +253,7 @@ def test_a_run_resumed_mid_schedule_trains_on_the_same_sizes_and_crops(tmp_path)
 )
 def test_config_errors(options, message):
     with pytest.raises(ConfigError) as info:
-        build_config(ImageSizeCurriculum, options)
+        plugin_config(ImageSizeCurriculum, options)
     assert "image_size_curriculum" in str(info.value)
     assert message in str(info.value)
 

@@ -11,7 +11,7 @@ from slipstream_label_smoothing import LabelSmoothing, LabelSmoothingConfig, smo
 from helpers import Probe, tiny_loaders
 from helpers import train as _train
 from slipstream import Algorithm, ConfigError, hookimpl
-from slipstream.plugins.discovery import AlgorithmInfo, build_config, discover
+from slipstream.plugins.discovery import PluginInfo, discover, plugin_config
 
 # Naming every algorithm of a run (probes included) in `installed` spares the engine
 # a scan of all installed distributions at each summary/checkpoint write.
@@ -19,13 +19,13 @@ INSTALLED = discover()
 
 
 def train(tmp_path, algos, **kwargs):
-    known = {a.name: AlgorithmInfo(a.name, "tests", "0", "helpers", cls=type(a)) for a in algos}
+    known = {a.name: PluginInfo(a.name, "tests", "0", "helpers", cls=type(a)) for a in algos}
     kwargs.setdefault("checkpoint_interval", None)
     return _train(tmp_path, algos, installed={**known, **INSTALLED}, **kwargs)
 
 
 def smoothing(s: float) -> LabelSmoothing:
-    return LabelSmoothing(build_config(LabelSmoothing, {"smoothing": s}))
+    return LabelSmoothing(plugin_config(LabelSmoothing, {"smoothing": s}))
 
 
 def loss_recorder():
@@ -179,10 +179,10 @@ def test_smoothing_out_of_range_is_a_config_error(value):
     with pytest.raises(
         ConfigError, match=r"algorithms.label_smoothing: smoothing must be a finite number in \[0, 1\)"
     ):
-        build_config(LabelSmoothing, {"smoothing": value})
+        plugin_config(LabelSmoothing, {"smoothing": value})
 
 
 def test_defaults_and_discovery():
     assert LabelSmoothing().config == LabelSmoothingConfig(smoothing=0.1)
-    assert build_config(LabelSmoothing, {}).smoothing == 0.1
+    assert plugin_config(LabelSmoothing, {}).smoothing == 0.1
     assert discover()["label_smoothing"].cls is LabelSmoothing

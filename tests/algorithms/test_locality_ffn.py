@@ -9,7 +9,7 @@ from slipstream_locality_ffn import LocalityAct, LocalityFFN, add_locality
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import ConfigError, Trainer
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 
 
 def small_vit(**kwargs) -> torch.nn.Module:
@@ -169,8 +169,8 @@ def test_runs_with_an_image_size_curriculum(tmp_path):
 
 def test_order_and_discovery():
     assert {"ema", "torch_compile"} <= set(LocalityFFN.runs_before)
-    assert build_config(LocalityFFN, {}) is None
+    assert plugin_config(LocalityFFN, {}) is None
     with pytest.raises(ConfigError, match="takes no options"):
-        build_config(LocalityFFN, {"kernel_size": 5})
+        plugin_config(LocalityFFN, {"kernel_size": 5})
     info = discover()["locality_ffn"]
     assert info.cls is LocalityFFN and info.distribution == "slipstream-locality_ffn"

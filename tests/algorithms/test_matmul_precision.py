@@ -15,7 +15,7 @@ from slipstream_matmul_precision import (
 
 from helpers import Probe, train
 from slipstream import ConfigError
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 
 BEFORE = MatmulSettings(precision="highest", cudnn_tf32=False, cudnn_benchmark=False)
 
@@ -64,7 +64,7 @@ def test_default_is_high(tmp_path):
 
 def test_each_switch_is_configurable(tmp_path):
     probe, seen = settings_probe()
-    cfg = build_config(MatmulPrecision, {"precision": "high", "cudnn_tf32": False,
+    cfg = plugin_config(MatmulPrecision, {"precision": "high", "cudnn_tf32": False,
                                          "cudnn_benchmark": False})
     fit(tmp_path, [MatmulPrecision(cfg), probe])
     assert seen[0] == MatmulSettings(precision="high", cudnn_tf32=False, cudnn_benchmark=False)
@@ -88,14 +88,14 @@ def test_restored_after_a_failing_run(tmp_path):
 
 def test_config_errors():
     with pytest.raises(ConfigError) as err:
-        build_config(MatmulPrecision, {"precision": "low"})
+        plugin_config(MatmulPrecision, {"precision": "low"})
     msg = str(err.value)
     assert "precision" in msg and "'low'" in msg
     assert all(p in msg for p in ("highest", "high", "medium"))
     with pytest.raises(ConfigError, match="cudnn_benchmark"):
-        build_config(MatmulPrecision, {"cudnn_benchmark": "maybe"})
+        plugin_config(MatmulPrecision, {"cudnn_benchmark": "maybe"})
     with pytest.raises(ConfigError, match="unknown key 'tf32'"):
-        build_config(MatmulPrecision, {"tf32": True})
+        plugin_config(MatmulPrecision, {"tf32": True})
 
 
 def test_set_matmul_precision_function():

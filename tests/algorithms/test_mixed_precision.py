@@ -17,7 +17,7 @@ from slipstream_mixed_precision import (
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import ConfigError, Trainer
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 
 
 def small_model() -> torch.nn.Module:
@@ -116,13 +116,13 @@ def test_bf16_training_tracks_fp32(tmp_path):
 
 def test_config_errors():
     with pytest.raises(ConfigError) as err:
-        build_config(MixedPrecision, {"dtype": "fp8"})
+        plugin_config(MixedPrecision, {"dtype": "fp8"})
     msg = str(err.value)
     assert "dtype" in msg and "fp8" in msg
     assert all(choice in msg for choice in ("auto", "bf16", "fp16"))
     with pytest.raises(ConfigError, match="unknown key"):
-        build_config(MixedPrecision, {"precision": "bf16"})
-    assert build_config(MixedPrecision, {}).dtype == "auto"
+        plugin_config(MixedPrecision, {"precision": "bf16"})
+    assert plugin_config(MixedPrecision, {}).dtype == "auto"
 
 
 def test_resolve_dtype_and_autocast_function(monkeypatch):
@@ -352,4 +352,4 @@ def test_fp16_occasional_skips_are_not_reported(tmp_path):
 
 def test_warn_after_skips_is_validated():
     with pytest.raises(ConfigError, match="warn_after_skips must be a whole number >= 1"):
-        build_config(MixedPrecision, {"warn_after_skips": 0})
+        plugin_config(MixedPrecision, {"warn_after_skips": 0})

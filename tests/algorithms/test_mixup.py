@@ -14,7 +14,7 @@ from slipstream_mixup import Mixup, MixupConfig, draw_lambda, mix_targets, mixup
 from helpers import Probe, tiny_loaders
 from helpers import train as _train
 from slipstream import ConfigError
-from slipstream.plugins.discovery import AlgorithmInfo, build_config, discover
+from slipstream.plugins.discovery import PluginInfo, discover, plugin_config
 
 RAW_TRAIN, RAW_EVAL = (torch.cat([x for x, _ in loader]) for loader in tiny_loaders())
 LABELS = torch.cat([y for _, y in tiny_loaders()[0]])
@@ -24,12 +24,12 @@ INSTALLED = discover(load=False)  # metadata only: names for the order declarati
 
 def train(tmp_path, algos, **kwargs):
     # Naming the run's algorithms spares the engine a scan of every installed distribution.
-    known = {a.name: AlgorithmInfo(a.name, "tests", "0", "helpers", cls=type(a)) for a in algos}
+    known = {a.name: PluginInfo(a.name, "tests", "0", "helpers", cls=type(a)) for a in algos}
     return _train(tmp_path, algos, installed={**INSTALLED, **known}, **kwargs)
 
 
 def mixup(**options) -> Mixup:
-    return Mixup(build_config(Mixup, options))
+    return Mixup(plugin_config(Mixup, options))
 
 
 def seen_batches(tmp_path, algos, **kwargs):
@@ -82,7 +82,7 @@ def test_the_same_generator_seed_draws_the_same_mix():
 )
 def test_bad_config_names_the_key(options, message):
     with pytest.raises(ConfigError) as info:
-        build_config(Mixup, options)
+        plugin_config(Mixup, options)
     assert str(info.value).startswith(message)
 
 

@@ -12,7 +12,7 @@ from slipstream_stepwise_lr import SCHEDULES, StepwiseLR, StepwiseLRConfig, lr_a
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import ConfigError, Trainer
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 
 BASE = 0.05  # helpers.train's LR
 BATCHES_PER_EPOCH = 4  # helpers.tiny_loaders: 64 samples in batches of 16
@@ -45,7 +45,7 @@ def fit(tmp_path, algorithms, **kwargs):
 
 
 def algo(**options) -> StepwiseLR:
-    return StepwiseLR(build_config(StepwiseLR, options))
+    return StepwiseLR(plugin_config(StepwiseLR, options))
 
 
 # -- the pure function -------------------------------------------------------------
@@ -289,7 +289,7 @@ def test_state_dict_round_trip():
 )
 def test_config_errors_name_the_key_and_what_is_allowed(options, message):
     with pytest.raises(ConfigError, match=f"algorithms.stepwise_lr: {message}"):
-        build_config(StepwiseLR, options)
+        plugin_config(StepwiseLR, options)
 
 
 def test_discovered_through_the_entry_point():

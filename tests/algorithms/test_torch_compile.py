@@ -27,7 +27,7 @@ from torch import nn
 
 from helpers import Probe, tiny_loaders
 from slipstream import Algorithm, ConfigError, Trainer, hookimpl
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 
 OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
 
@@ -171,7 +171,7 @@ def test_with_channels_last_and_mixed_precision(tmp_path):
     info = discover().get("mixed_precision")
     # Explicit bf16: auto trains in fp32 on a CPU without bf16 units.
     mixed = (
-        info.cls(build_config(info.cls, {"dtype": "bf16"}))
+        info.cls(plugin_config(info.cls, {"dtype": "bf16"}))
         if info is not None and info.cls is not None
         else _AutocastStub()
     )
@@ -196,12 +196,12 @@ def test_with_channels_last_and_mixed_precision(tmp_path):
 
 def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"torch_compile: mode must be one of default, reduce-"):
-        build_config(TorchCompile, {"mode": "fastest"})
+        plugin_config(TorchCompile, {"mode": "fastest"})
     with pytest.raises(ConfigError, match="applies to the inductor backend only"):
-        build_config(TorchCompile, {"mode": "max-autotune", "backend": "eager"})
+        plugin_config(TorchCompile, {"mode": "max-autotune", "backend": "eager"})
     with pytest.raises(ConfigError, match="fullgraph"):
-        build_config(TorchCompile, {"fullgraph": "perhaps"})
-    assert build_config(TorchCompile, {"mode": "reduce-overhead"}).mode == "reduce-overhead"
+        plugin_config(TorchCompile, {"fullgraph": "perhaps"})
+    assert plugin_config(TorchCompile, {"mode": "reduce-overhead"}).mode == "reduce-overhead"
     # Backends are checked at init (listing them imports Dynamo), before any compiling.
     typo = TorchCompile(TorchCompileConfig(backend="nductor"))
     with pytest.raises(ConfigError, match=r"unknown backend 'nductor'; available: .*inductor"):

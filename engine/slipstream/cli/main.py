@@ -453,9 +453,9 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def _algorithms(args: argparse.Namespace) -> int:
-    from slipstream.plugins.discovery import ENTRY_POINT_GROUP
+    from slipstream.plugins.discovery import ALGORITHMS_GROUP
 
-    return print_plugin_listing(ENTRY_POINT_GROUP, "algorithms", check=args.check, as_json=args.json)
+    return print_plugin_listing(ALGORITHMS_GROUP, "algorithms", check=args.check, as_json=args.json)
 
 
 def _callbacks(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from slipstream.distributed import from_rank0, init_distributed, resolve_device
 from slipstream.errors import ConfigError
 from slipstream.models import build_loss, build_model
 from slipstream.optim import build_optimizer
-from slipstream.plugins.discovery import CALLBACKS_GROUP, AlgorithmInfo, discover, instantiate
+from slipstream.plugins.discovery import CALLBACKS_GROUP, PluginInfo, discover, instantiate
 from slipstream.run.directory import new_run_dir
 from slipstream.trainer import Trainer
 
@@ -27,7 +27,7 @@ def build_trainer(
     cfg: DictConfig,
     *,
     label: str = "run",
-    installed: dict[str, AlgorithmInfo] | None = None,
+    installed: dict[str, PluginInfo] | None = None,
     verbose: bool = True,
 ) -> Trainer:
     """Everything is validated (algorithms, callbacks, data, model, optimizer)

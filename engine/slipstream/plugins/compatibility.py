@@ -42,7 +42,7 @@ from torch import nn
 from slipstream.errors import ConfigError, SlipstreamError
 from slipstream.hookspecs import hookimpl
 from slipstream.plugins.algorithm import Algorithm
-from slipstream.plugins.discovery import build_config, discover
+from slipstream.plugins.discovery import discover, plugin_config
 from slipstream.state import State
 
 OPTIMIZERS = ("sgd", "adamw", "adafactor")
@@ -284,7 +284,7 @@ def _build_plugins(
     plugins = []
     for name in combo.names:
         cls = classes[name]
-        plugins.append(cls(build_config(cls, dict(settings.get(name, {})) or None)))
+        plugins.append(cls(plugin_config(cls, dict(settings.get(name, {})) or None)))
     return plugins
 
 

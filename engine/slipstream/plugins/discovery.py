@@ -23,18 +23,18 @@ from slipstream.plugins.algorithm import Algorithm
 from slipstream.plugins.base import Plugin
 from slipstream.plugins.callback import Callback
 
-ENTRY_POINT_GROUP = "slipstream.algorithms"
+ALGORITHMS_GROUP = "slipstream.algorithms"
 CALLBACKS_GROUP = "slipstream.callbacks"
 # Each entry-point group: the base class its plugins subclass, and their noun.
 GROUPS: dict[str, tuple[type[Plugin], str]] = {
-    ENTRY_POINT_GROUP: (Algorithm, "algorithm"),
+    ALGORITHMS_GROUP: (Algorithm, "algorithm"),
     CALLBACKS_GROUP: (Callback, "callback"),
     DATASETS_GROUP: (DatasetPlugin, "dataset"),
 }
 
 
 @dataclass
-class AlgorithmInfo:
+class PluginInfo:
     """One entry point of a plugin group (``slipstream.algorithms`` by default)."""
 
     name: str
@@ -105,8 +105,8 @@ class AlgorithmInfo:
 
 
 def discover(
-    load: bool = True, group: str = ENTRY_POINT_GROUP, base: type | None = None
-) -> dict[str, AlgorithmInfo]:
+    load: bool = True, group: str = ALGORITHMS_GROUP, base: type | None = None
+) -> dict[str, PluginInfo]:
     """Every installed plugin of entry-point ``group`` (algorithms by default);
     with ``load``, imported too (and checked to subclass ``base``; by default
     the group's own base class, :class:`Algorithm` or :class:`Callback`). A failed
@@ -114,10 +114,10 @@ def discover(
     others. ``load=False`` defers imports to :func:`algorithm_class`, so a run
     imports only the plugins it uses; name, distribution, version and summary
     come from the distribution's metadata either way."""
-    found: dict[str, AlgorithmInfo] = {}
+    found: dict[str, PluginInfo] = {}
     for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
         dist = getattr(ep, "dist", None)
-        info = AlgorithmInfo(
+        info = PluginInfo(
             name=ep.name,
             distribution=dist.metadata["Name"] if dist is not None else "unknown",
             version=dist.version if dist is not None else "unknown",
@@ -146,8 +146,8 @@ def discover(
 
 
 def list_installed(
-    group: str = ENTRY_POINT_GROUP, check: bool = False, base: type | None = None
-) -> list[AlgorithmInfo]:
+    group: str = ALGORITHMS_GROUP, check: bool = False, base: type | None = None
+) -> list[PluginInfo]:
     """What ``slipstream algorithms`` (and ``callbacks``, with its group) lists.
 
     Without ``check`` nothing is imported: metadata, plus a look-up of each entry
@@ -161,7 +161,7 @@ def list_installed(
 
 
 def algorithm_class(
-    name: str, installed: dict[str, AlgorithmInfo], group: str = ENTRY_POINT_GROUP
+    name: str, installed: dict[str, PluginInfo], group: str = ALGORITHMS_GROUP
 ) -> type[Plugin]:
     """The class registered as ``name`` in ``group``, or a clear error."""
     noun = GROUPS[group][1]
@@ -181,7 +181,7 @@ def algorithm_class(
     return info.cls
 
 
-def build_config(cls: type[Plugin], options: dict[str, Any] | None) -> Any:
+def plugin_config(cls: type[Plugin], options: dict[str, Any] | None) -> Any:
     """Validate ``options`` against ``cls.config_class`` and return the dataclass.
 
     An unknown key, a wrong type or an out-of-range value is a ConfigError that
@@ -229,15 +229,15 @@ def build_config(cls: type[Plugin], options: dict[str, Any] | None) -> Any:
 
 def instantiate(
     requested: dict[str, dict[str, Any] | None],
-    installed: dict[str, AlgorithmInfo],
-    group: str = ENTRY_POINT_GROUP,
+    installed: dict[str, PluginInfo],
+    group: str = ALGORITHMS_GROUP,
 ) -> list[Any]:
     """Build every requested algorithm (or callback, with ``group``): unknown names
     and bad options fail here, before anything runs."""
     plugins = []
     for name, options in requested.items():
         cls = algorithm_class(name, installed, group)
-        plugins.append(cls(build_config(cls, options)))
+        plugins.append(cls(plugin_config(cls, options)))
     return plugins
 
 
@@ -353,7 +353,7 @@ def check_callbacks_observe(pm: pluggy.PluginManager) -> None:
                     f"callback {impl.plugin_name!r} ({type(impl.plugin).__name__}) implements "
                     f"the step hook {step!r}; a callback observes and may not replace or wrap "
                     f"a step ({', '.join(STEPS)}): make it an algorithm (entry-point group "
-                    f"{ENTRY_POINT_GROUP!r}, base class slipstream.Algorithm) instead"
+                    f"{ALGORITHMS_GROUP!r}, base class slipstream.Algorithm) instead"
                 )
 
 
@@ -369,7 +369,7 @@ def _find_cycle(pending: dict[str, set[str]], done: list[str]) -> str:
 
 
 def distribution_of(
-    algo: Plugin, installed: dict[str, AlgorithmInfo] | None = None
+    algo: Plugin, installed: dict[str, PluginInfo] | None = None
 ) -> tuple[str, str]:
     """(distribution, version) for an algorithm or callback instance, for checkpoints
     and summaries."""
