@@ -17,6 +17,8 @@ from slipstream import load_checkpoint
 
 # A plugin that keeps a tiny run busy long enough to be signalled and, when asked,
 # makes the batch that received the signal a long one (to send the second signal in).
+# It looks last at batch_end (trylast): a signal that landed after its look but before
+# the loop's own would end the run at once, with no long batch to abort.
 SLOW = """
 import os, time
 from slipstream import Algorithm, hookimpl
@@ -24,7 +26,7 @@ from slipstream import Algorithm, hookimpl
 class Slow(Algorithm):
     name = "slow"
 
-    @hookimpl
+    @hookimpl(trylast=True)
     def batch_end(self, state):
         time.sleep(0.02)
         if state.stop_requested:
