@@ -206,6 +206,21 @@ def test_hooks_on_the_instance_and_patched_onto_the_class_are_registered():
     assert ours == theirs and {name for name, *_ in ours} == {"fit_end", "eval_end"}
 
 
+def test_a_class_attribute_whose_look_up_raises_does_not_break_registration():
+    class Touchy:
+        def __getattr__(self, name: str) -> None:
+            raise KeyError(name)  # not an AttributeError: hasattr() would raise it
+
+    class Plugin:
+        helper = Touchy()
+
+        @hookimpl
+        def batch_end(self, state: object) -> None: ...
+
+    ours, theirs = _both(Plugin())
+    assert ours == theirs and {name for name, *_ in ours} == {"batch_end"}
+
+
 def test_a_module_plugin_takes_pluggys_path():
     module = types.ModuleType("a_plugin")
     module.batch_end = hookimpl(lambda state: None)

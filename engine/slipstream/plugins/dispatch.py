@@ -66,13 +66,19 @@ class PluginManager(pluggy.PluginManager):
 
 
 def _is_marked(value: Any, marker: str) -> bool:
-    return hasattr(value, marker) or hasattr(getattr(value, "__func__", None), marker)
+    try:
+        return hasattr(value, marker) or hasattr(getattr(value, "__func__", None), marker)
+    except Exception:  # a value whose attribute look-up raises: pluggy decides
+        return True
 
 
 def _marked(plugin: Any, marker: str) -> frozenset[str]:
     """The names in ``plugin``'s own ``__dict__`` and its classes' whose value carries
     ``marker``. Read afresh at each registration: a class patched since is seen."""
-    own = getattr(plugin, "__dict__", None)
+    try:
+        own = object.__getattribute__(plugin, "__dict__")  # not through __getattr__
+    except AttributeError:
+        own = None
     spaces = [vars(klass) for klass in type(plugin).__mro__]
     if isinstance(own, dict):
         spaces.append(own)
