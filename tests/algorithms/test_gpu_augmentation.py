@@ -12,6 +12,7 @@ from slipstream_gpu_augmentation import (
     augment_batch,
     batch_seed,
     build_augmentation,
+    moved_tensors,
     place_pipeline,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -301,3 +302,24 @@ def test_a_placed_light_pipeline_reads_no_value_on_the_host():
         out = augment_batch(x, pipeline, seed=1)
     assert counted.reads == 0
     assert not torch.equal(out, augment_batch(x, pipeline, seed=2))
+
+
+def test_tensors_kept_in_a_generators_samplers_move_with_the_pipeline():
+    """kornia's uniform generators keep (factor, name, center, bound) entries and put each
+    draw on the device of their tensor factors: brightness and contrast in TrivialAugment
+    kept theirs on the host, and on a GPU every draw of theirs went there and back. The
+    placement moves the tensors it finds in such nested tuples (to ``meta`` here, which
+    kornia itself cannot be placed on), and keeps what has nothing to move as it is."""
+    factor = torch.tensor([0.5, 1.5])
+    samplers = ((factor, "brightness_factor", None, None), ((0.0, 1.0), "thresholds", None, None))
+    moved = moved_tensors(samplers, torch.device("meta"))
+    assert type(moved) is tuple and moved[0][0].device.type == "meta" and moved[0][1:] == samplers[0][1:]
+    assert moved[1] is samplers[1]
+    assert moved_tensors(samplers, torch.device("cpu")) is samplers
+    assert moved_tensors([factor], torch.device("meta"))[0].device.type == "meta"
+    # The trivial preset still trains on the CPU after placement, every draw included.
+    x = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8)
+    pipeline = place_pipeline(build_augmentation(GpuAugmentationConfig(preset="trivial")), x.device)
+    outs = [augment_batch(x, pipeline, seed) for seed in range(30)]
+    assert all(o.shape == x.shape and o.dtype == torch.float32 for o in outs)
+    assert not torch.equal(outs[0], outs[1])

@@ -126,11 +126,11 @@ def test_the_cli_pins_batches_and_copies_them_from_pinned_memory(tmp_path):
 
 
 def test_gpu_augmentation_runs_on_the_device_without_host_copies(tmp_path):
-    # light (the default): no copy at all. trivial: TrivialAugment draws one of kornia's
-    # operations per batch, and one of them went through the host once in 5 batches on
-    # an H100 (kornia 0.9; which one is not known): not per batch, and never from the
-    # crop, the flip or the draw, which would make 5 or more.
-    allowed = {"light": 0, "trivial": 4}
+    # No copy at all in either preset. trivial: TrivialAugment draws one of kornia's
+    # operations per batch; brightness and contrast (2 of its 12) kept their ranges on
+    # the host and went through it (kornia 0.9, found on an H100 with sync debug mode):
+    # 20 batches, so that a draw of either is all but certain.
+    allowed = {"light": 0, "trivial": 0}
     device = torch.device("cuda", torch.cuda.current_device())
     for preset in ("light", "trivial"):
         pipeline = place_pipeline(build_augmentation(GpuAugmentationConfig(preset=preset)), device)
@@ -139,12 +139,12 @@ def test_gpu_augmentation_runs_on_the_device_without_host_copies(tmp_path):
             augment_batch(images, pipeline, seed)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            outs = [augment_batch(images, pipeline, seed) for seed in range(2, 7)]
+            outs = [augment_batch(images, pipeline, seed) for seed in range(2, 22)]
             torch.cuda.synchronize()
         copies = _memcpy_events(prof)
         assert len(copies) <= allowed[preset], (
-            f"{preset}: {len(copies)} host copies in 5 batches: {sorted(set(copies))}; synchronising calls at "
-            f"{_syncs(lambda x=images, p=pipeline: [augment_batch(x, p, seed) for seed in range(2, 7)])}"
+            f"{preset}: {len(copies)} host copies in 20 batches: {sorted(set(copies))}; synchronising calls at "
+            f"{_syncs(lambda x=images, p=pipeline: [augment_batch(x, p, seed) for seed in range(2, 22)])}"
         )
         assert all(o.is_cuda and o.dtype == torch.float32 and o.shape == images.shape for o in outs)
         assert not torch.equal(outs[0], outs[1])  # random per batch
