@@ -112,16 +112,24 @@ def test_the_console_script_is_the_quick_exit_entry_point():
     assert script.value == "slipstream.cli.main:console"
 
 
-def test_a_misspelled_trainer_key_is_told_before_the_models_and_data_libraries_load():
-    """Reading the config needs torch (its options), not torchvision or timm: a typo is
-    answered 2-3 s sooner than after importing them."""
+@pytest.mark.parametrize(
+    "args, told",
+    [
+        (["trainer.max_duraton=1ep"], "unknown key 'trainer.max_duraton'"),
+        (["--algorithms", "mixed_precison"], "unknown algorithm 'mixed_precison'"),
+        (["algorithms.mixed_precision.dtype=bf17"], "dtype must be one of"),
+    ],
+)
+def test_a_mistake_in_the_config_is_told_before_the_models_and_data_libraries_load(args, told):
+    """Checking the config and its plugins needs torch, not torchvision or timm: a typo
+    is answered 2-4 s sooner than after importing them."""
     script = (
         "import sys; from slipstream.cli.main import main; "
-        "code = main(['train', 'trainer.max_duraton=1ep']); "
+        f"code = main(['train', *{args!r}]); "
         "print(code, sorted(m for m in ('torchvision', 'timm') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert "unknown key 'trainer.max_duraton'" in result.stderr
+    assert told in result.stderr
     assert result.stdout.split() == ["2", "[]"], result.stdout
 
 

@@ -14,7 +14,8 @@ from slipstream.distributed import from_rank0, init_distributed, resolve_device
 from slipstream.errors import ConfigError
 from slipstream.models import build_loss, build_model
 from slipstream.optim import build_optimizer
-from slipstream.plugins.discovery import CALLBACKS_GROUP, PluginInfo, discover, instantiate
+from slipstream.plugins.base import Plugin
+from slipstream.plugins.discovery import PluginInfo, build_plugins, discover
 from slipstream.run.directory import new_run_dir
 from slipstream.trainer import Trainer
 
@@ -29,14 +30,16 @@ def build_trainer(
     label: str = "run",
     installed: dict[str, PluginInfo] | None = None,
     verbose: bool = True,
+    plugins: tuple[list[Plugin], list[Plugin]] | None = None,
 ) -> Trainer:
     """Everything is validated (algorithms, callbacks, data, model, optimizer)
-    before the run directory is touched, so a bad config costs nothing."""
+    before the run directory is touched, so a bad config costs nothing. ``plugins``:
+    the algorithms and callbacks :func:`build_plugins` already built from ``cfg`` with
+    ``installed`` (whose loaded entries name each plugin's distribution in the records)."""
     installed = discover(load=False) if installed is None else installed
-    algorithms = instantiate(dict(to_dict(cfg.algorithms)), installed)
-    callbacks = instantiate(
-        dict(to_dict(cfg.callbacks)), discover(load=False, group=CALLBACKS_GROUP), CALLBACKS_GROUP
-    )
+    if plugins is None:
+        plugins = build_plugins(dict(to_dict(cfg.algorithms)), dict(to_dict(cfg.callbacks)), installed)
+    algorithms, callbacks = plugins
     t, d, m, o = cfg.trainer, cfg.data, cfg.model, cfg.optimizer
     dataset = build_dataset_plugin(dict(to_dict(d)))
     # The same options and validation as a Trainer built in Python; the process

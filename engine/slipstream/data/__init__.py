@@ -17,8 +17,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "DATASET_NAMES": "datasets",
-    "DATASET_STATS": "datasets",
+    "DATASET_NAMES": "stats",
+    "DATASET_STATS": "stats",
     "DataError": "datasets",
     "build_datasets": "datasets",
     "read_rgb": "datasets",

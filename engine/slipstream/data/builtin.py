@@ -6,8 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from slipstream.data.datasets import DATASET_STATS, build_datasets
 from slipstream.data.sources import DataRequest, DatasetPlugin
+from slipstream.data.stats import DATASET_STATS
+
+
+def build_datasets(name: str, **options: Any) -> tuple[Any, Any, int]:
+    """:func:`slipstream.data.datasets.build_datasets`, imported when a source is built
+    rather than when the plugin is loaded: checking a config loads it, and torchvision
+    takes over a second to import."""
+    from slipstream.data.datasets import build_datasets as build
+
+    return build(name, **options)
 
 
 @dataclass

@@ -22,23 +22,10 @@ try:  # deprecated since torchvision 0.29 (TorchCodec takes over); PIL when it i
 except ImportError:  # pragma: no cover - depends on the torchvision release
     decode_image = None
 
+from slipstream.data.stats import DATASET_NAMES, DATASET_STATS, Stats  # noqa: F401 (re-exported)
 from slipstream.data.synthetic import SyntheticShapes
 from slipstream.data.unreadable import SkippingImageFolder
 from slipstream.errors import describe, network_failure
-
-DATASET_NAMES: tuple[str, ...] = ("synthetic", "cifar10", "cifar100", "imagefolder")
-
-Stats = tuple[tuple[float, float, float], tuple[float, float, float]]
-
-# Per-channel (mean, std) of the images scaled to [0, 1], for normalising on the device.
-# `synthetic` was measured on 10 000 rendered 32 px train images (seed 0); the others
-# are the usual published values (ImageNet's for imagefolder).
-DATASET_STATS: dict[str, Stats] = {
-    "synthetic": ((0.503, 0.499, 0.496), (0.289, 0.290, 0.289)),
-    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
-    "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
-}
 
 
 class DataError(ValueError):

@@ -241,6 +241,22 @@ def instantiate(
     return plugins
 
 
+def build_plugins(
+    algorithms: dict[str, Any],
+    callbacks: dict[str, Any],
+    installed: dict[str, PluginInfo] | None = None,
+) -> tuple[list[Plugin], list[Plugin]]:
+    """A run's algorithms and callbacks, built from their config sections (name to
+    options) and checked: an unknown name or option is a ConfigError here. Only the
+    named plugins are imported, so a command can check them before it imports the
+    libraries its model and data need."""
+    installed = discover(load=False) if installed is None else installed
+    return (
+        instantiate(algorithms, installed),
+        instantiate(callbacks, discover(load=False, group=CALLBACKS_GROUP), CALLBACKS_GROUP),
+    )
+
+
 def resolve_order(
     algorithms: list[Algorithm], installed: Collection[str] | None = None
 ) -> list[Algorithm]:
