@@ -261,23 +261,18 @@ def place_pipeline(pipeline: nn.Module, device: torch.device) -> nn.Module:
         if generator is not None:
             # kornia's generators take the device of their parameters from the ranges
             # they hold (kornia#4426): a range kept as a CPU tensor makes each batch's
-            # random draws travel to the host and the crop matrices back.
+            # random draws travel to the host and the crop matrices back. That holds
+            # for tensors nested in a uniform generator's ``samplers`` too, (factor,
+            # name, center, bound) entries (brightness and contrast in TrivialAugment:
+            # a host round trip in 1 of 6 trivial batches on an H100).
             for attr, value in vars(generator).items():
-                if isinstance(value, torch.Tensor) and value.device != device:
-                    setattr(generator, attr, value.to(device))
-                elif attr in _RANGES and _numbers(value):
+                if attr in _RANGES and _numbers(value):
                     # A range kept as numbers becomes a new device tensor, copied from
                     # the host, at every batch: make it one once (on the CPU too, where
                     # it is merely cheaper, so that the CPU runs the device's path).
                     setattr(generator, attr, torch.tensor(value, dtype=torch.float32, device=device))
-                elif isinstance(value, (tuple, list)):
-                    # A uniform generator's ``samplers``: (factor, name, center, bound)
-                    # entries whose tensor factors stay where they were made (brightness
-                    # and contrast in TrivialAugment). Each draw went to that device and
-                    # back: a host round trip in 1 of 6 trivial batches on an H100.
-                    moved = moved_tensors(value, device)
-                    if moved is not value:
-                        setattr(generator, attr, moved)
+                elif (moved := moved_tensors(value, device)) is not value:
+                    setattr(generator, attr, moved)
     return pipeline
 
 
