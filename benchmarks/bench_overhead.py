@@ -323,15 +323,21 @@ def anchor_hand_written(epochs: int = 2) -> float:
     return time.perf_counter() - started
 
 
-def anchor_fit(progress_bar: bool, epochs: int = 2) -> float:
-    """One whole ``fit()`` call, from its start to its summary."""
+def anchor_fit(
+    progress_bar: bool = False,
+    max_duration: str = "2ep",
+    engine: type[Trainer] = Trainer,
+    without: tuple[str, ...] = (),
+) -> float:
+    """Seconds of one whole ``fit()`` call of the anchor workload, from its start to its
+    summary, the services ``without`` unregistered first."""
     data, model, optimizer = anchor_setup()
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as sink:
-        trainer = Trainer(
+        trainer = engine(
             model=model,
             optimizer=optimizer,
             train_data=data,
-            max_duration=f"{epochs}ep",
+            max_duration=max_duration,
             run_dir=Path(tmp) / "run",
             progress_bar=progress_bar,
             checkpoint_interval=None,
@@ -340,6 +346,8 @@ def anchor_fit(progress_bar: bool, epochs: int = 2) -> float:
         )
         if progress_bar:
             trainer.pm.get_plugin("engine.progress").file = sink
+        for name in without:
+            trainer.pm.unregister(name=name)
         started = time.perf_counter()
         trainer.fit()
         return time.perf_counter() - started
@@ -347,11 +355,11 @@ def anchor_fit(progress_bar: bool, epochs: int = 2) -> float:
 
 def main_fit_calls(repeats: int, epochs: int = 2) -> None:
     anchor_hand_written(epochs)  # warm-up: first-call costs belong to neither side
-    anchor_fit(False, epochs)
+    anchor_fit(False, f"{epochs}ep")
     ratios: dict[str, list[float]] = {"bare": [], "+ progress bar": []}
     for name, bar in (("bare", False), ("+ progress bar", True)):
         for _ in range(repeats):
-            ratios[name].append(anchor_fit(bar, epochs) / anchor_hand_written(epochs))
+            ratios[name].append(anchor_fit(bar, f"{epochs}ep") / anchor_hand_written(epochs))
     print(
         f"whole runs: fit() against a hand-written loop, the peers' anchor workload (3072-32-10 MLP, "
         f"batch 32, {epochs} epochs of 200 steps), {repeats} alternations, {torch.get_num_threads()} thread(s)"
@@ -363,21 +371,6 @@ def main_fit_calls(repeats: int, epochs: int = 2) -> None:
             f"{name:<26} {statistics.median(r):>7.3f}   {r[len(r) // 4]:.3f} - {r[(3 * len(r)) // 4]:.3f}"
             f"          <= {goal}"
         )
-
-
-def anchor_trainer_fit(batches: int, engine: type[Trainer] = Trainer, without: tuple[str, ...] = ()) -> float:
-    """Seconds of one whole ``fit()`` of ``batches`` batches of the anchor workload,
-    the services ``without`` unregistered first."""
-    data, model, optimizer = anchor_setup()
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = engine(model=model, optimizer=optimizer, train_data=data, max_duration=f"{batches}ba",
-                         run_dir=Path(tmp) / "run", progress_bar=False, checkpoint_interval=None,
-                         eval_interval=None, verbose=False)
-        for name in without:
-            trainer.pm.unregister(name=name)
-        started = time.perf_counter()
-        trainer.fit()
-        return time.perf_counter() - started
 
 
 def anchor_hand_written_steps(batches: int) -> float:
@@ -401,11 +394,15 @@ def main_run_parts(repeats: int, steps: int = 400) -> None:
     with the engine's per-batch services taken out one group at a time."""
     variants: dict[str, Any] = {
         "hand-written loop": anchor_hand_written_steps,
-        "Trainer bare": anchor_trainer_fit,
-        "  without the FLOP tally": lambda n: anchor_trainer_fit(n, without=("engine.utilization",)),
-        "  without losses, metrics": lambda n: anchor_trainer_fit(n, without=("engine.losses", "engine.metrics")),
-        "  without its services": lambda n: anchor_trainer_fit(n, without=PER_BATCH_SERVICES),
-        "  + the hand-written step": lambda n: anchor_trainer_fit(n, HandWrittenBatch, PER_BATCH_SERVICES),
+        "Trainer bare": lambda n: anchor_fit(max_duration=f"{n}ba"),
+        "  without the FLOP tally": lambda n: anchor_fit(max_duration=f"{n}ba", without=("engine.utilization",)),
+        "  without losses, metrics": lambda n: anchor_fit(
+            max_duration=f"{n}ba", without=("engine.losses", "engine.metrics")
+        ),
+        "  without its services": lambda n: anchor_fit(max_duration=f"{n}ba", without=PER_BATCH_SERVICES),
+        "  + the hand-written step": lambda n: anchor_fit(
+            max_duration=f"{n}ba", engine=HandWrittenBatch, without=PER_BATCH_SERVICES
+        ),
     }
     for run in variants.values():
         run(10)  # first-call costs belong to no variant
