@@ -287,7 +287,9 @@ class Trainer:
         ``overwrite`` every installed callback's (a logger of the previous run whose
         folder would otherwise mix two runs)."""
         names = {n for p in [*self.algorithms, *self.callbacks] for n in p.run_files}
-        if self.overwrite:
+        # Only where there is a previous run to clear: finding the installed callbacks'
+        # files imports each of them (~10 ms with five installed).
+        if self.overwrite and self.paths.root.is_dir():
             for info in self._installed_of(CALLBACKS_GROUP).values():
                 info.load()
                 names.update(getattr(info.cls, "run_files", ()))
