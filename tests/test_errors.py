@@ -253,6 +253,18 @@ def test_settings_the_run_ignores_are_named(capsys, tmp_path):
     assert code == 0 and "slipstream: warning: --algorithms no:ema removes nothing" in err
 
 
+def test_the_engines_own_warnings_are_one_line_each(capsys, tmp_path, monkeypatch):
+    # An unwritable cache: the peak FLOP/s service warns from inside the engine's
+    # package (slipstream/services/), not from the CLI's own folder.
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    code, _, err = run_cli(capsys, "train", *TINY, f"trainer.run_dir={tmp_path / 'r'}")
+    assert code == 0, err
+    assert "slipstream: warning: cannot cache the peak FLOP/s" in err, err
+    assert "UserWarning" not in err and "warnings.warn" not in err and "peak_flops(" not in err, err
+
+
 # -- a plugin that exits at import ----------------------------------------------------------
 
 

@@ -338,12 +338,16 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
 
 
 def _show_warning(default: Any) -> Any:
-    """Slipstream's own warnings as one line each (rank 0 only); others as Python shows them."""
-    package = str(Path(__file__).parent)
+    """Slipstream's own warnings as one line each (rank 0 only): config warnings, those
+    raised in the engine's package and those whose message says ``slipstream:``; others
+    (a plugin's, a library's) as Python shows them, naming the file that raised them."""
+    package = str(Path(__file__).resolve().parents[1]) + os.sep  # slipstream/, not slipstream/cli/
 
     def show(message: Any, category: type, filename: str, *args: Any, **kwargs: Any) -> None:
-        ours = issubclass(category, ConfigWarning) or (
-            category is UserWarning and str(filename).startswith(package)
+        ours = (
+            issubclass(category, ConfigWarning)
+            or str(message).startswith("slipstream: ")
+            or (category is UserWarning and str(Path(filename).resolve()).startswith(package))
         )
         if not ours:
             default(message, category, filename, *args, **kwargs)
