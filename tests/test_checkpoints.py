@@ -74,6 +74,21 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
         load_checkpoint(tmp_path / "missing.pt")
 
 
+def test_checkpoints_keep_their_format_tag_and_older_ones_still_resume(tmp_path):
+    # "slipstream.checkpoint" is what every checkpoint since the first release says;
+    # the engine's regrouping wrote "slipstream.run.checkpoint" for a day. Both resume.
+    first = train(tmp_path / "a", [Counter()], max_duration="2ba", checkpoint_interval="2ba")
+    latest = first.run_dir / "checkpoints" / "latest.pt"
+    payload = torch.load(latest, weights_only=True)
+    assert payload["format"] == "slipstream.checkpoint" and payload["format_version"] == 1
+    for tag in ("slipstream.checkpoint", "slipstream.run.checkpoint"):
+        old = tmp_path / f"{tag}.pt"
+        torch.save({**payload, "format": tag}, old)
+        counter = Counter()
+        resumed = train(tmp_path / tag, [counter], max_duration="3ba", load_path=old)
+        assert resumed.state.timestamp.batch == 3 and counter.count == 3
+
+
 def test_checkpoint_that_does_not_fit_the_model(tmp_path):
     first = train(tmp_path / "a", [], max_duration="1ba")
     other = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4))

@@ -29,8 +29,11 @@ from slipstream.run.directory import LATEST, RunDir, atomic_write, fsync_dir, wr
 from slipstream.run.versions import library_versions
 from slipstream.state import State
 
-FORMAT = "slipstream.run.checkpoint"
+FORMAT = "slipstream.checkpoint"
 FORMAT_VERSION = 1
+# The tag written from 2026-11-26 15:35 to 2026-11-27 (8a4d133..), when the engine's
+# regrouping renamed the module and the tag with it; read as FORMAT.
+_FORMAT_ALIASES = frozenset({FORMAT, "slipstream.run.checkpoint"})
 
 
 def rng_state() -> dict[str, Any]:
@@ -184,7 +187,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
         raise CheckpointError(
             f"checkpoint {path} is corrupt or not a PyTorch checkpoint ({reason[:200]})"
         ) from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+    if not isinstance(payload, dict) or payload.get("format") not in _FORMAT_ALIASES:
         raise CheckpointError(f"{path} is not a Slipstream checkpoint (no '{FORMAT}' format tag)")
     if payload.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(
