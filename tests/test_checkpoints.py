@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import warnings
 
 import pytest
 import torch
@@ -87,6 +88,28 @@ def test_checkpoints_keep_their_format_tag_and_older_ones_still_resume(tmp_path)
         counter = Counter()
         resumed = train(tmp_path / tag, [counter], max_duration="3ba", load_path=old)
         assert resumed.state.timestamp.batch == 3 and counter.count == 3
+
+
+@pytest.mark.parametrize("cut", ["2ba", "1ep"])
+def test_a_resume_on_another_number_of_processes_says_what_changes(tmp_path, cut):
+    first = train(tmp_path / "a", [], max_duration=cut, checkpoint_interval=cut, eval_interval=None)
+    latest = first.run_dir / "checkpoints" / "latest.pt"
+    payload = torch.load(latest, weights_only=True)
+    assert payload["world_size"] == 1
+    with warnings.catch_warnings(record=True) as same:
+        warnings.simplefilter("always")
+        train(tmp_path / "same", [], max_duration="3ba", load_path=latest, eval_interval=None)
+    assert not [w for w in same if "processes" in str(w.message)]
+    torch.save({**payload, "world_size": 2}, tmp_path / "two.pt")  # as 2 processes write it
+    with pytest.warns(UserWarning, match="written by 2 processes and this run has 1") as told:
+        resumed = train(tmp_path / "two", [], max_duration="3ba", load_path=tmp_path / "two.pt", eval_interval=None)
+    message = str(told[0].message)
+    batch = first.state.global_batch_size
+    assert f"a step now averages {batch} samples instead of {2 * batch}" in message
+    assert "Resume with 2 processes to continue it exactly" in message
+    mid_epoch = payload["timestamp"]["batch_in_epoch"] > 0
+    assert ("seen twice" in message) == mid_epoch, message
+    assert resumed.summary["status"] == "completed"
 
 
 def test_checkpoint_that_does_not_fit_the_model(tmp_path):

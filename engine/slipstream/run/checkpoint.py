@@ -18,6 +18,7 @@ import os
 import random
 import shutil
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -448,12 +449,43 @@ def restore_checkpoint(
         )
     state.timestamp.load_state_dict(payload["timestamp"])
     set_rng_state(payload["rng"])
+    saved_world = payload.get("world_size")
+    if isinstance(saved_world, int) and saved_world != state.world_size and state.rank == 0:
+        warnings.warn(world_size_changed(path, saved_world, state), stacklevel=2)
     if verbose:
         ts = state.timestamp
         print(
             f"slipstream: resumed from {path} at epoch {ts.epoch}, batch {ts.batch}",
             file=sys.stderr,
         )
+
+
+def world_size_changed(path: Path, saved: int, state: State) -> str:
+    """What a resume on another number of processes changes: allowed (a preempted job
+    may come back on other nodes), but not the run the checkpoint's would have been."""
+    ts = state.timestamp
+    now = state.world_size
+    per_rank = state.global_batch_size // now if state.global_batch_size else None
+    batch = (
+        f"a step now averages {now * per_rank} samples instead of {saved * per_rank}"
+        if per_rank
+        else f"a step now averages {now} processes' batches instead of {saved}"
+    )
+    rest = (
+        f", and the rest of epoch {ts.epoch} comes from another split of its samples, so some "
+        "are seen twice in it and others not at all"
+        if ts.batch_in_epoch
+        else ""
+    )
+    return (
+        f"slipstream: {path} was written by {_processes(saved)} and this run has {now}. "
+        f"Training goes on, but not as that run would have: {batch}{rest}. Resume with "
+        f"{_processes(saved)} to continue it exactly"
+    )
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
 
 
 def written_by(payload: Mapping[str, Any], state: State) -> str:
