@@ -112,6 +112,23 @@ def test_a_resume_on_another_number_of_processes_says_what_changes(tmp_path, cut
     assert resumed.summary["status"] == "completed"
 
 
+def test_a_resume_with_another_learning_rate_says_the_checkpoints_is_kept(tmp_path):
+    first = train(tmp_path / "a", [], max_duration="2ba", checkpoint_interval="2ba", lr=0.05)
+    latest = first.run_dir / "checkpoints" / "latest.pt"
+    with warnings.catch_warnings(record=True) as same:
+        warnings.simplefilter("always")
+        train(tmp_path / "same", [], max_duration="3ba", load_path=latest, lr=0.05)
+    assert not [w for w in same if "differ from the run" in str(w.message)]
+    with pytest.warns(UserWarning, match="optimizer.lr 0.05 -> 0.001") as told:
+        resumed = train(tmp_path / "b", [], max_duration="3ba", load_path=latest, lr=0.001)
+    message = next(str(w.message) for w in told if "differ from the run" in str(w.message))
+    assert "optimizer.lr keeps its value from there" in message
+    assert "trainer.load_weights_only=true" in message
+    # What the warning says is what happened: the run trained on at the checkpoint's LR.
+    assert [g["lr"] for g in resumed.state.optimizer.param_groups] == [0.05]
+    assert resumed.summary["resumed_with_changes"] == ["optimizer.lr"]  # config.yaml says 0.001
+
+
 def test_checkpoint_that_does_not_fit_the_model(tmp_path):
     first = train(tmp_path / "a", [], max_duration="1ba")
     other = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4))

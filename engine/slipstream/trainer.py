@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -60,6 +61,7 @@ from slipstream.run.checkpoint import (
     load_checkpoint,
     load_weights,
     restore_checkpoint,
+    resumed_with_changes,
 )
 from slipstream.run.directory import RunDir, choose_run_dir, prepare_run_dir
 from slipstream.services import (
@@ -453,6 +455,14 @@ class Trainer:
                 restore_checkpoint(
                     state, self.load_path, verbose=self.verbose, hook=self.pm.hook, payload=payload
                 )
+                # Changed settings are allowed here (autoresume refused them before the
+                # start), but never silent; told once the checkpoint is known to fit.
+                saved = payload.get("config")
+                changed = config_differences(saved, self.config)
+                if changed:
+                    state.summary["resumed_with_changes"] = changed
+                    if state.rank == 0:
+                        warnings.warn(resumed_with_changes(self.load_path, saved, self.config, changed), stacklevel=2)
                 # The records before the checkpoint are in the log of the run that wrote it.
                 written_in = self.load_path.parent.parent if self.load_path.parent.name == "checkpoints" else None
                 if written_in is not None:
