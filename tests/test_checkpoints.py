@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import yaml
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import Algorithm, CheckpointError, ConfigError, Trainer, hookimpl, load_checkpoint
@@ -119,14 +120,28 @@ def test_a_resume_with_another_learning_rate_says_the_checkpoints_is_kept(tmp_pa
         warnings.simplefilter("always")
         train(tmp_path / "same", [], max_duration="3ba", load_path=latest, lr=0.05)
     assert not [w for w in same if "differ from the run" in str(w.message)]
-    with pytest.warns(UserWarning, match="optimizer.lr 0.05 -> 0.001") as told:
+    with pytest.warns(UserWarning, match=r"optimizer.lr stays 0.05 \(0.001 asked\)") as told:
         resumed = train(tmp_path / "b", [], max_duration="3ba", load_path=latest, lr=0.001)
     message = next(str(w.message) for w in told if "differ from the run" in str(w.message))
-    assert "optimizer.lr keeps its value from there" in message
-    assert "trainer.load_weights_only=true" in message
-    # What the warning says is what happened: the run trained on at the checkpoint's LR.
+    assert "trainer.load_weights_only=true" in message and "Taking effect" not in message
+    # What the warning says is what happened, and what the run directory records.
     assert [g["lr"] for g in resumed.state.optimizer.param_groups] == [0.05]
-    assert resumed.summary["resumed_with_changes"] == ["optimizer.lr"]  # config.yaml says 0.001
+    assert resumed.summary["resumed_with_changes"] == ["optimizer.lr"]
+    assert yaml.safe_load((resumed.run_dir / "config.yaml").read_text())["optimizer"]["lr"] == 0.05
+    later = torch.load(resumed.run_dir / "checkpoints" / "latest.pt", weights_only=True)
+    assert later["config"]["optimizer"]["lr"] == 0.05
+
+
+def test_a_resume_already_at_its_duration_says_nothing_is_left(tmp_path):
+    first = train(tmp_path / "a", [], max_duration="4ba", checkpoint_interval="4ba", eval_interval=None)
+    latest = first.run_dir / "checkpoints" / "latest.pt"
+    with pytest.warns(UserWarning, match=r"is at step 4 \(epoch \d\), already at trainer.max_duration=3ba"):
+        done = train(tmp_path / "b", [], max_duration="3ba", load_path=latest, eval_interval=None)
+    assert done.state.timestamp.batch == 4 and done.summary["status"] == "completed"
+    with warnings.catch_warnings(record=True) as more:
+        warnings.simplefilter("always")
+        train(tmp_path / "c", [], max_duration="5ba", load_path=latest, eval_interval=None)
+    assert not [w for w in more if "nothing is left to train" in str(w.message)]
 
 
 def test_checkpoint_that_does_not_fit_the_model(tmp_path):

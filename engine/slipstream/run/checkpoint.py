@@ -388,33 +388,38 @@ def config_differences(saved: Mapping[str, Any] | None, current: Mapping[str, An
 
 
 def resumed_with_changes(
-    path: Path, saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None, keys: Sequence[str]
+    path: Path, saved: Mapping[str, Any] | None, current: dict[str, Any], keys: Sequence[str]
 ) -> str:
-    """The warning for a resume (``trainer.load_path``) whose config differs from the
-    checkpoint's in ``keys`` (:func:`config_differences`). A resume may change them,
-    unlike autoresume, but the checkpoint's optimizer state wins over the config's
-    optimizer settings."""
-    old, new = _flat(dict(saved or {})), _flat(dict(current or {}))
+    """What a resume (``trainer.load_path``) whose config differs from the checkpoint's
+    in ``keys`` (:func:`config_differences`) does with each: returns the warning. A
+    resume may change them, unlike autoresume, but the optimizer's state comes from the
+    checkpoint, so its ``optimizer.*`` values stay; ``current`` (the run's config, what
+    config.yaml and its checkpoints record) is set back to them, to say what runs."""
+    old, new = _flat(dict(saved or {})), _flat(current)
 
     def value(flat: dict[str, Any], key: str) -> str:
         if key in flat:
             return "on" if flat[key] == {} else repr(flat[key])  # an enabled plugin with default options
         return "on" if any(k.startswith(key + ".") for k in flat) else "off"
 
-    shown = ", ".join(f"{k} {value(old, k)} -> {value(new, k)}" for k in keys)
-    kept = [k for k in keys if k.startswith("optimizer.")]
-    applied = [k for k in keys if not k.startswith("optimizer.")]
-    told = f"slipstream: resuming from {path} with settings that differ from the run that wrote it: {shown}. "
-    if kept:
-        told += (
-            f"The optimizer's state comes from the checkpoint, so {', '.join(kept)} "
-            f"{'keeps its value' if len(kept) == 1 else 'keep their values'} from there. "
-        )
+    applied = [f"{k} {value(old, k)} -> {value(new, k)}" for k in keys if not k.startswith("optimizer.")]
+    kept = [k for k in keys if k.startswith("optimizer.") and k in old]
+    told = f"slipstream: resuming from {path} with settings that differ from the run that wrote it. "
     if applied:
-        told += f"{', '.join(applied)} {'takes' if len(applied) == 1 else 'take'} effect from here on. "
-    return told + (
-        "To train these weights with this run's settings from step 0, set trainer.load_weights_only=true"
-    )
+        told += f"Taking effect from here on: {', '.join(applied)}. "
+    if kept:
+        stays = ", ".join(f"{k} stays {value(old, k)} ({value(new, k)} asked)" for k in kept)
+        told += f"Not taking effect, as the optimizer's state comes from the checkpoint: {stays}; config.yaml says so. "
+        for key in kept:
+            _set_dotted(current, key, old[key])
+    return told + "To train these weights with this run's settings from step 0, set trainer.load_weights_only=true"
+
+
+def _set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
+    *sections, leaf = key.split(".")
+    for section in sections:
+        config = config.setdefault(section, {})
+    config[leaf] = value
 
 
 def _state_dicts(state: State, hook: Any) -> dict[str, Any]:
