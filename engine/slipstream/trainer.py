@@ -108,6 +108,11 @@ class Trainer:
     ``best_metric`` (``"accuracy"``, ``"loss"`` or None) is the eval metric whose
     best value ``checkpoints/best.pt`` keeps.
 
+    ``schedulers`` (torch LR schedulers on ``optimizer``) are stepped at the end of
+    every epoch, or after every optimizer step with ``scheduler_interval="batch"``
+    (Lightning's and Composer's default is the epoch too), and saved in checkpoints.
+    The ``stepwise_lr`` algorithm is the config's way to schedule the LR.
+
     ``autoresume=True`` (with a fixed ``run_dir``) continues the run there from its
     ``latest.pt`` when it has one, as ``load_path`` would, and refuses one whose config
     differs in what changes training; without one the run starts. Fine-tuning:
@@ -130,6 +135,7 @@ class Trainer:
         callbacks: Sequence[Callback | str] = (),
         loss_fn: Callable[..., torch.Tensor] | None = None,
         schedulers: Sequence[Any] = (),
+        scheduler_interval: str = "epoch",
         config: dict[str, Any] | None = None,
         installed: dict[str, PluginInfo] | None = None,
         options: TrainerOptions | None = None,
@@ -184,6 +190,15 @@ class Trainer:
         self.run_dir = self.paths.root
         self.summary: dict[str, Any] = {}
 
+        if scheduler_interval not in SCHEDULER_INTERVALS:
+            raise ConfigError(
+                f"Trainer: scheduler_interval must be one of {', '.join(SCHEDULER_INTERVALS)}, "
+                f"got {scheduler_interval!r}"
+            )
+        # Stepped by the loop, not a plugin: the optimizer's LR must have moved before
+        # any epoch_end or batch_end hook (a checkpoint) sees the schedulers' state.
+        self._epoch_schedulers = list(schedulers) if scheduler_interval == "epoch" else []
+        self._batch_schedulers = list(schedulers) if scheduler_interval == "batch" else []
         self.state = State(
             model=model.to(self.device),
             optimizer=optimizer,
@@ -564,6 +579,8 @@ class Trainer:
         if not state.is_done() or epoch_complete:
             ts.epoch += 1
             ts.batch_in_epoch = 0
+            for scheduler in self._epoch_schedulers:
+                scheduler.step()
             h.epoch_end(state=state)
 
     def _train_batch(self, batch: Any) -> None:
@@ -593,6 +610,8 @@ class Trainer:
             state.step_skipped = h.optimizer_step(state=state) is False
             state.optimizer.zero_grad(set_to_none=True)
             ts.optimizer_steps += 1
+            for scheduler in self._batch_schedulers:
+                scheduler.step()
             if h.after_optimizer_step:
                 h.after_optimizer_step(state=state)
         ts.batch += 1
@@ -633,6 +652,9 @@ class Trainer:
         return checkpoint_payload(
             state, [*self._algorithm_records(), *self._callback_records()], hook=self.pm.hook
         )
+
+
+SCHEDULER_INTERVALS = ("epoch", "batch")
 
 
 def _checked_step(function: Callable[..., Any], plugin: str, step: str) -> Callable[..., Any]:
