@@ -93,3 +93,25 @@ def test_an_online_logger_without_credentials_is_one_line(tmp_path, capsys, monk
     code = main(["train", "-q", "--callbacks", "wandb", *TINY, *online])
     _one_line_exit_2(code, capsys, "mode online needs a W&B API key")
     assert not run_dir.exists()
+
+
+def test_a_one_pass_iterator_cannot_train_two_epochs(tmp_path):
+    import torch
+
+    from helpers import tiny_loaders, tiny_model
+    from slipstream import ConfigError, Trainer
+
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = tiny_loaders()[0]  # 4 batches
+
+    def run(data, max_duration):
+        return Trainer(model, optimizer, data, max_duration=max_duration, run_dir=tmp_path / max_duration,
+                       progress_bar=False, verbose=False, eval_interval=None)
+
+    with pytest.raises(ConfigError, match=r"one-pass iterator \(generator\).*max_duration=2ep needs 2"):
+        run((b for b in loader), "2ep")
+    assert not (tmp_path / "2ep").exists()  # refused before anything is written
+    with pytest.raises(ConfigError, match="no batches in epoch 1, after 4 before it: it can be read only once"):
+        run(iter(loader), "6ba").fit()  # found at the second pass: it was not asked for in epochs
+    assert run(iter(loader), "1ep").fit()["status"] == "completed"  # one pass is fine

@@ -15,7 +15,7 @@ import functools
 import inspect
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -190,6 +190,12 @@ class Trainer:
         self.run_dir = self.paths.root
         self.summary: dict[str, Any] = {}
 
+        if isinstance(train_data, Iterator) and self.max_duration.unit == "ep" and self.max_duration.value > 1:
+            raise ConfigError(
+                f"train_data is a one-pass iterator ({type(train_data).__name__}): it has no second "
+                f"epoch, and max_duration={self.max_duration} needs {self.max_duration.value:g}; pass a "
+                "DataLoader (or anything iter() can start again), or give max_duration in batches"
+            )
         if scheduler_interval not in SCHEDULER_INTERVALS:
             raise ConfigError(
                 f"Trainer: scheduler_interval must be one of {', '.join(SCHEDULER_INTERVALS)}, "
@@ -573,6 +579,12 @@ class Trainer:
             if state.is_done():
                 break
         if not seen_any and ts.batch_in_epoch == 0:
+            if ts.epoch > 0:  # it did before: a one-pass iterable
+                raise ConfigError(
+                    f"the training data yielded no batches in epoch {ts.epoch}, after {ts.batch} "
+                    "before it: it can be read only once (an iterator or generator); pass a "
+                    "DataLoader (or anything iter() can start again), or give max_duration in batches"
+                )
             raise ConfigError("the training data yielded no batches; check the dataset and batch size")
         # A run that stops mid-epoch has not completed it (a resume continues there).
         epoch_complete = state.batches_per_epoch is None or ts.batch_in_epoch >= state.batches_per_epoch
