@@ -60,3 +60,38 @@ def test_no_top5_with_fewer_than_five_classes(tmp_path):
     assert set(trainer.state.eval_metrics) == {"loss", "accuracy"}
     summary = json.loads((trainer.run_dir / "summary.json").read_text())
     assert "accuracy_top5" not in summary
+
+
+def _with_eval_data(tmp_path, eval_data, **kwargs) -> Trainer:
+    model = tiny_model()
+    return Trainer(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        train_data=tiny_loaders()[0],
+        eval_data=eval_data,
+        run_dir=tmp_path / "run",
+        device="cpu",
+        progress_bar=False,
+        verbose=False,
+        **{"max_duration": "2ep", "eval_interval": "1ep", **kwargs},
+    )
+
+
+def test_an_evaluation_of_no_samples_is_an_error_not_an_accuracy_of_0(tmp_path):
+    from slipstream import ConfigError
+
+    eval_data = tiny_loaders()[1]
+    # Empty and sized: refused before anything is written.
+    with pytest.raises(ConfigError, match=r"evaluation data is empty.*trainer.eval_interval: null"):
+        _with_eval_data(tmp_path / "empty", [])
+    assert not (tmp_path / "empty").exists()
+    assert _with_eval_data(tmp_path / "off", [], eval_interval=None).fit()["status"] == "completed"
+    # One pass only: the first evaluation counts, the second finds nothing.
+    trainer = _with_eval_data(tmp_path / "once", (batch for batch in eval_data))
+    with pytest.raises(ConfigError, match="no samples at step 8, after 64 at the evaluation before: it can be read"):
+        trainer.fit()
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["accuracy"] > 0 for r in records if r["kind"] == "eval"] == [True]  # no record of nothing
+    # Unsized and empty from the start.
+    with pytest.raises(ConfigError, match="yielded no samples; check it"):
+        _with_eval_data(tmp_path / "unsized", iter([])).fit()

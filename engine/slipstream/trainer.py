@@ -77,6 +77,7 @@ from slipstream.services import (
 )
 from slipstream.services.batches import batch_mover
 from slipstream.services.divergence import DivergenceMonitor
+from slipstream.services.evaluation import EVALUATION_OFF
 from slipstream.services.losses import TrainLosses
 from slipstream.services.summary import resume_summary
 from slipstream.state import State, unwrap_model
@@ -196,6 +197,8 @@ class Trainer:
                 f"epoch, and max_duration={self.max_duration} needs {self.max_duration.value:g}; pass a "
                 "DataLoader (or anything iter() can start again), or give max_duration in batches"
             )
+        if eval_data is not None and o.eval_interval is not None and _batches_per_epoch(eval_data) == 0:
+            raise ConfigError(f"the evaluation data is empty (no batches); give it samples, or {EVALUATION_OFF}")
         if scheduler_interval not in SCHEDULER_INTERVALS:
             raise ConfigError(
                 f"Trainer: scheduler_interval must be one of {', '.join(SCHEDULER_INTERVALS)}, "

@@ -12,12 +12,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from slipstream.duration import Duration
+from slipstream.errors import ConfigError
 from slipstream.hookspecs import hookimpl
 from slipstream.interval import RunInterval
 from slipstream.services.batches import to_device
 from slipstream.state import State
 
 TOP_K = 5  # accuracy_top5: whether the target is among the 5 highest logits
+
+
+# How to turn evaluation off, in the config and in Python.
+EVALUATION_OFF = "turn evaluation off (trainer.eval_interval: null; eval_interval=None in Python)"
 
 
 class Evaluator:
@@ -38,6 +43,7 @@ class Evaluator:
         self.prepare = prepare or (lambda state: None)
         self.interval = RunInterval(interval)
         self._last_eval_batch: int | None = None
+        self._samples = 0  # seen by the last evaluation
 
     @hookimpl
     def fit_start(self, state: State) -> None:
@@ -66,6 +72,18 @@ class Evaluator:
             return
         if self.interval.enabled and self._last_eval_batch != state.timestamp.batch and self.guard(state):
             self.evaluate(state)
+
+    def _nothing_to_evaluate(self, state: State) -> str:
+        if self._samples:
+            return (
+                f"the evaluation data yielded no samples at step {state.timestamp.batch}, after "
+                f"{self._samples} at the evaluation before: it can be read only once (an iterator or "
+                "generator); pass a DataLoader (or anything iter() can start again)"
+            )
+        return (
+            "the evaluation data yielded no samples; check it (a DataLoader with drop_last=True and "
+            f"a batch larger than the dataset yields none), or {EVALUATION_OFF}"
+        )
 
     def evaluate(self, state: State) -> dict[str, float]:
         if state.eval_loader is None:
@@ -101,6 +119,12 @@ class Evaluator:
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(totals)
         loss_sum, correct, count, correct_top5 = totals.tolist()
+        if not count:  # metrics of nothing would read as a loss of 0 and an accuracy of 0
+            model.train(was_training)
+            state.training = True
+            state.batch, state.outputs, state.loss = saved
+            raise ConfigError(self._nothing_to_evaluate(state))
+        self._samples = int(count)
         state.eval_metrics = {
             "loss": loss_sum / max(count, 1),
             "accuracy": correct / max(count, 1),
