@@ -272,3 +272,30 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert r0["batches"] == r1["batches"] == 4  # the check at the log interval after step 3
     assert r1["nonfinite"]["first_step"] == 3 and r1["nonfinite"]["first_value"] == "nan"
     assert r0["nonfinite"]["first_step"] == 4  # the interval's last step: rank 0 saw no NaN itself
+
+
+def test_a_plain_dataloader_under_several_processes_is_named(tmp_path, monkeypatch):
+    # Told at construction (rank 0): the check needs no process group, only the world size.
+    from helpers import tiny_loaders, tiny_model
+    from slipstream import Trainer
+    from slipstream.data import EpochSampler, build_loader
+
+    model = tiny_model()
+    plain = tiny_loaders()[0]  # a DataLoader with torch's SequentialSampler
+
+    def build(data, world_size):
+        monkeypatch.setattr("slipstream.trainer.init_distributed", lambda device: (0, world_size))
+        return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, run_dir=tmp_path / "run",
+                       progress_bar=False, verbose=False)
+
+    with pytest.warns(UserWarning, match="SequentialSampler, so each of the 2 processes trains on the whole dataset"):
+        build(plain, 2)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        build(plain, 1)  # one process: nothing to say
+        sharded = build_loader(plain.dataset, batch_size=16, seed=0, rank=0, world_size=2)
+        assert isinstance(sharded.sampler, EpochSampler)
+        build(sharded, 2)
+    assert not [w for w in told if "whole dataset" in str(w.message)]

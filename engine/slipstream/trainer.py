@@ -197,6 +197,14 @@ class Trainer:
                 f"epoch, and max_duration={self.max_duration} needs {self.max_duration.value:g}; pass a "
                 "DataLoader (or anything iter() can start again), or give max_duration in batches"
             )
+        if world_size > 1 and rank == 0 and isinstance(getattr(train_data, "sampler", None), WHOLE_DATASET_SAMPLERS):
+            warnings.warn(
+                f"slipstream: train_data's sampler is a {type(train_data.sampler).__name__}, so each of "
+                f"the {world_size} processes trains on the whole dataset every epoch (the same samples "
+                f"{world_size} times over); give it torch's DistributedSampler or "
+                "slipstream.data.EpochSampler(rank=, world_size=), or build it with slipstream.data.build_loader",
+                stacklevel=2,
+            )
         if eval_data is not None and o.eval_interval is not None and _batches_per_epoch(eval_data) == 0:
             raise ConfigError(f"the evaluation data is empty (no batches); give it samples, or {EVALUATION_OFF}")
         if scheduler_interval not in SCHEDULER_INTERVALS:
@@ -670,6 +678,8 @@ class Trainer:
 
 
 SCHEDULER_INTERVALS = ("epoch", "batch")
+# A plain DataLoader's samplers: every process that uses one reads all of the dataset.
+WHOLE_DATASET_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)
 
 
 def _checked_step(function: Callable[..., Any], plugin: str, step: str) -> Callable[..., Any]:
