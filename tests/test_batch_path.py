@@ -123,6 +123,33 @@ def test_without_normalisation_uint8_still_reaches_the_model_as_float_in_0_1(tmp
         assert fed.min() >= 0 and fed.max() <= 1
 
 
+@pytest.mark.parametrize("v2", [False, True])
+def test_auto_leaves_inputs_a_torchvision_transform_already_normalised(tmp_path, v2):
+    from torchvision import datasets, transforms
+    from torchvision.transforms import v2 as transforms_v2
+
+    _image_tree(tmp_path / "images", {"cat": 2, "dog": 2})
+    mean, std = DATASET_STATS["imagefolder"]
+    if v2:
+        to_tensor = [transforms_v2.ToImage(), transforms_v2.ToDtype(torch.float32, scale=True)]
+        resize, norm = transforms_v2.Resize((16, 16)), transforms_v2.Normalize(mean, std)
+        compose = transforms_v2.Compose
+    else:
+        to_tensor = [transforms.ToTensor()]
+        resize, norm = transforms.Resize((16, 16)), transforms.Normalize(mean, std)
+        compose = transforms.Compose
+    for normalised_by_the_data in (True, False):
+        steps = [resize, *to_tensor, *([transforms.RandomApply([norm], p=1.0)] if normalised_by_the_data else [])]
+        folder = datasets.ImageFolder(tmp_path / "images" / "train", transform=compose(steps))
+        probe, seen = recorder()
+        fit(tmp_path / str(normalised_by_the_data), DataLoader(folder, batch_size=4), [probe], num_classes=2)
+        m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+        for raw, fed in zip(seen["raw"], seen["model"], strict=True):
+            # Normalised once: by the dataset's own transform, else by the engine (auto).
+            expected = raw if normalised_by_the_data else (raw - m) / s
+            torch.testing.assert_close(fed, expected)
+
+
 def test_a_float_loader_trains_unchanged_and_matches_its_uint8_twin(tmp_path):
     # The same pictures as float [0, 1] and as uint8: the model gets the same inputs
     # (to float rounding), and the float loader's tensors are never written into.

@@ -177,8 +177,9 @@ class TrainerOptions:
     ``eval_interval=None`` turns evaluation off entirely (no final evaluation
     either); ``checkpoint_interval=None`` writes no checkpoint at all.
     ``normalize="auto"`` uses the mean/std of a dataset Slipstream knows
-    (synthetic, CIFAR-10/100, ImageFolder), ``(mean, std)`` gives them, ``None``
-    leaves inputs as they come.
+    (synthetic, CIFAR-10/100, ImageFolder) unless the dataset's own transform
+    normalises (a torchvision ``Normalize`` in it), ``(mean, std)`` gives them,
+    ``None`` leaves inputs as they come.
     """
 
     max_duration: str | Duration = setting("2ep", "how long the run trains", config=str)
@@ -488,12 +489,38 @@ def dataset_stats(data: Any) -> tuple[Sequence[float], Sequence[float]] | None:
     return None
 
 
+def normalized_by_its_transform(data: Any) -> bool:
+    """Whether the dataset behind ``data`` normalises its samples itself: a torchvision
+    ``Normalize`` (v1 or v2) anywhere in its ``transform``, as in most CIFAR and
+    ImageNet scripts. ``normalize='auto'`` then leaves the inputs as they come."""
+    from torchvision import transforms
+    from torchvision.transforms import v2
+
+    dataset = getattr(data, "dataset", data)
+    todo = [getattr(dataset, "transform", None), getattr(dataset, "transforms", None)]
+    seen: set[int] = set()
+    while todo:
+        step = todo.pop()
+        if step is None or id(step) in seen or len(seen) > 1000:
+            continue
+        seen.add(id(step))
+        if isinstance(step, (transforms.Normalize, v2.Normalize)):
+            return True
+        inner = getattr(step, "transforms", None)  # Compose, RandomApply, RandomChoice
+        if isinstance(inner, (list, tuple)):
+            todo.extend(inner)
+        todo.append(getattr(step, "transform", None))  # a dataset's StandardTransform
+    return False
+
+
 def resolve_normalize(
     normalize: NormalizeOption, train_data: Any
 ) -> tuple[tuple[Sequence[float], Sequence[float]] | None, str | None]:
     """(mean, std) or None, and a note to print when ``auto`` found no statistics."""
     if normalize != AUTO:
         return normalize, None  # type: ignore[return-value]
+    if normalized_by_its_transform(train_data):
+        return None, None  # the dataset's own transform normalises: twice would be wrong
     stats = dataset_stats(train_data)
     if stats is None:
         kind = type(getattr(train_data, "dataset", train_data)).__name__
