@@ -95,3 +95,20 @@ def test_an_evaluation_of_no_samples_is_an_error_not_an_accuracy_of_0(tmp_path):
     # Unsized and empty from the start.
     with pytest.raises(ConfigError, match="yielded no samples; check it"):
         _with_eval_data(tmp_path / "unsized", iter([])).fit()
+
+
+def test_a_model_handed_over_in_eval_mode_trains_in_training_mode(tmp_path):
+    modes: list[tuple[str, bool]] = []
+    probe = Probe(
+        before_forward=lambda s: modes.append(("train", s.model.training)),
+        eval_batch_start=lambda s: modes.append(("eval", s.model.training)),
+    )
+    model = tiny_model()
+    model.eval()  # e.g. evaluated after loading weights, then handed over to fine-tune
+    train_data, eval_data = tiny_loaders()
+    Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_data=train_data,
+            eval_data=eval_data, algorithms=[probe], max_duration="4ba", eval_interval="2ba",
+            run_dir=tmp_path / "run", progress_bar=False, verbose=False).fit()  # fmt: skip
+    assert {mode for kind, mode in modes if kind == "train"} == {True}
+    assert {mode for kind, mode in modes if kind == "eval"} == {False}
+    assert [kind for kind, _ in modes].count("train") == 4

@@ -267,6 +267,8 @@ def init(state: State) -> None:
 def fit_start(state: State) -> None:
     """Once, after ``init`` and after distributed wrapping, before the first epoch.
 
+    The model is in training mode here (the engine calls ``train()`` on it just
+    before): a plugin that keeps part of it in eval mode sets that here.
     ``state.timestamp`` may already be past zero when the run resumes from a
     checkpoint.
     """

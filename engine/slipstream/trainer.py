@@ -518,6 +518,9 @@ class Trainer:
                     verbose=self.verbose,
                     plugin_files=self._plugin_files(),
                 )
+            # A model handed over in eval mode (evaluated after loading weights) would
+            # otherwise train with frozen batch-norm statistics and no dropout.
+            state.model.train()
             state.start_clock()
             self._hooks.fit_start(state=state)
             self._loop()
