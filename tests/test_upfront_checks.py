@@ -115,3 +115,35 @@ def test_a_one_pass_iterator_cannot_train_two_epochs(tmp_path):
     with pytest.raises(ConfigError, match="no batches in epoch 1, after 4 before it: it can be read only once"):
         run(iter(loader), "6ba").fit()  # found at the second pass: it was not asked for in epochs
     assert run(iter(loader), "1ep").fit()["status"] == "completed"  # one pass is fine
+
+
+def test_an_optimizer_that_does_not_hold_the_models_parameters_is_named(tmp_path):
+    import copy
+    import warnings
+
+    import torch
+
+    from helpers import tiny_loaders, tiny_model
+    from slipstream import ConfigError, Trainer
+
+    def build(model, optimizer, name):
+        return Trainer(model, optimizer, tiny_loaders()[0], max_duration="2ba", run_dir=tmp_path / name,
+                       progress_bar=False, verbose=False, eval_interval=None)
+
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="holds none of the model's parameters, so nothing would train"):
+        build(copy.deepcopy(model), optimizer, "copy")
+    assert not (tmp_path / "copy").exists()
+    # A head replaced after the optimizer was built: trained by nobody, and said so.
+    model.fc = torch.nn.Linear(model.fc.in_features, 4)
+    missing = r"2 of the model's trainable parameters are not in the optimizer \(fc.weight, fc.bias\)"
+    with pytest.warns(UserWarning, match=missing):
+        build(model, optimizer, "head")
+    # Frozen on purpose: nothing to say.
+    for p in model.fc.parameters():
+        p.requires_grad_(False)
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        build(model, optimizer, "frozen")
+    assert not [w for w in told if "not in the optimizer" in str(w.message)]

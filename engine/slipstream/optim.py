@@ -241,3 +241,27 @@ def param_groups(
                 group["lr"] = lr if in_head else lr * scale
             groups.append(group)
     return [g for g in groups if g["params"]] or groups[-1:]
+
+
+def check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """Raise when ``optimizer`` holds none of ``model``'s parameters (it was built on
+    another copy of the model: the run would train nothing); return a warning when
+    some trainable ones are missing from it (e.g. a head replaced after the optimizer
+    was built: they would get gradients and never change); None when it holds them all."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    named = list(model.named_parameters())
+    if named and not any(id(p) in held for _, p in named):
+        raise ConfigError(
+            f"the optimizer holds none of the model's parameters, so nothing would train: it was "
+            f"built on another {type(model).__name__} (a copy?); build it from the parameters of "
+            "the model you pass"
+        )
+    missing = [name for name, p in named if p.requires_grad and id(p) not in held]
+    if not missing:
+        return None
+    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    return (
+        f"slipstream: {len(missing)} of the model's trainable parameters are not in the optimizer "
+        f"({shown}): they get gradients but never change. Build the optimizer after the model is "
+        "complete, or set requires_grad=False on what should stay frozen"
+    )

@@ -36,6 +36,7 @@ from slipstream.distributed import init_distributed, resolve_device
 from slipstream.duration import Duration
 from slipstream.errors import CheckpointError, ConfigError, PluginError
 from slipstream.interrupts import stop_on_signals
+from slipstream.optim import check_optimizer_holds
 from slipstream.plugins.algorithm import Algorithm
 from slipstream.plugins.callback import Callback
 from slipstream.plugins.discovery import (
@@ -191,6 +192,9 @@ class Trainer:
         self.run_dir = self.paths.root
         self.summary: dict[str, Any] = {}
 
+        unoptimized = check_optimizer_holds(model, optimizer)
+        if unoptimized and rank == 0:
+            warnings.warn(unoptimized, stacklevel=2)
         if isinstance(train_data, Iterator) and self.max_duration.unit == "ep" and self.max_duration.value > 1:
             raise ConfigError(
                 f"train_data is a one-pass iterator ({type(train_data).__name__}): it has no second "
