@@ -147,3 +147,29 @@ def test_an_optimizer_that_does_not_hold_the_models_parameters_is_named(tmp_path
         warnings.simplefilter("always")
         build(model, optimizer, "frozen")
     assert not [w for w in told if "not in the optimizer" in str(w.message)]
+
+
+def test_what_needs_evaluation_is_named_when_there_is_no_eval_data(tmp_path):
+    import warnings
+
+    import torch
+
+    from helpers import tiny_loaders, tiny_model
+    from slipstream import Trainer
+
+    model = tiny_model()
+    train_data, eval_data = tiny_loaders()
+
+    def told(**kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), train_data, run_dir=tmp_path / "run",
+                    progress_bar=False, verbose=False, **kwargs)
+        return [str(w.message) for w in caught if "no evaluation" in str(w.message)]
+
+    assert told(callbacks=["early_stopping"], target_accuracy=0.9) == [
+        "slipstream: target_accuracy=0.9 is never reached: no eval_data, so no evaluation",
+        "slipstream: the early_stopping callback never stops the run: no eval_data, so no evaluation",
+    ]
+    assert told(callbacks=["early_stopping"], target_accuracy=0.9, eval_data=eval_data) == []
+    assert told() == []

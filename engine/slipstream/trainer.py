@@ -34,7 +34,7 @@ from slipstream.config.options import (
 from slipstream.data.loaders import stop_workers
 from slipstream.distributed import init_distributed, resolve_device
 from slipstream.duration import Duration
-from slipstream.errors import CheckpointError, ConfigError, PluginError
+from slipstream.errors import CheckpointError, ConfigError, ConfigWarning, PluginError
 from slipstream.interrupts import stop_on_signals
 from slipstream.optim import check_optimizer_holds
 from slipstream.plugins.algorithm import Algorithm
@@ -192,6 +192,12 @@ class Trainer:
         self.run_dir = self.paths.root
         self.summary: dict[str, Any] = {}
 
+        if eval_data is None and rank == 0:  # (the CLI always has eval data and says its own)
+            evaluated = [f"target_accuracy={o.target_accuracy} is never reached"] if o.target_accuracy else []
+            if any(c.name == "early_stopping" for c in self.callbacks):
+                evaluated.append("the early_stopping callback never stops the run")
+            for what in evaluated:
+                warnings.warn(f"slipstream: {what}: no eval_data, so no evaluation", ConfigWarning, stacklevel=2)
         unoptimized = check_optimizer_holds(model, optimizer)
         if unoptimized and rank == 0:
             warnings.warn(unoptimized, stacklevel=2)
