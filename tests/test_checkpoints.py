@@ -142,6 +142,8 @@ def test_a_resume_already_at_its_duration_says_nothing_is_left(tmp_path):
         warnings.simplefilter("always")
         train(tmp_path / "c", [], max_duration="5ba", load_path=latest, eval_interval=None)
     assert not [w for w in more if "nothing is left to train" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"this Trainer is at step 4 .*nothing is left to train"):
+        assert first.fit()["batches"] == 4  # fit() again: the run is over
 
 
 def test_checkpoint_that_does_not_fit_the_model(tmp_path):

@@ -505,18 +505,19 @@ class Trainer:
                     state.summary["resumed_with_changes"] = changed
                     if state.rank == 0:
                         warnings.warn(resumed_with_changes(self.load_path, saved, self.config, changed), stacklevel=2)
-                if state.is_done() and state.rank == 0:
-                    ts = state.timestamp
-                    warnings.warn(
-                        f"slipstream: {self.load_path} is at step {ts.batch} (epoch {ts.epoch}), already at "
-                        f"trainer.max_duration={state.max_duration}: nothing is left to train; raise "
-                        "trainer.max_duration to train on",
-                        stacklevel=2,
-                    )
                 # The records before the checkpoint are in the log of the run that wrote it.
                 written_in = self.load_path.parent.parent if self.load_path.parent.name == "checkpoints" else None
                 if written_in is not None:
                     resume_summary(state, RunDir(written_in).metrics, self.target)
+            if state.is_done() and state.rank == 0:  # resumed at its end, or fit() called again
+                ts = state.timestamp
+                where = self.load_path if self.load_path is not None and ts.batch else "this Trainer"
+                warnings.warn(
+                    f"slipstream: {where} is at step {ts.batch} (epoch {ts.epoch}), already at "
+                    f"trainer.max_duration={state.max_duration}: nothing is left to train; raise "
+                    "trainer.max_duration to train on",
+                    stacklevel=2,
+                )
             self._wrap_distributed()
             self._bind_hooks()
             if state.rank == 0:
