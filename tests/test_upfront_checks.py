@@ -173,3 +173,35 @@ def test_what_needs_evaluation_is_named_when_there_is_no_eval_data(tmp_path):
     ]
     assert told(callbacks=["early_stopping"], target_accuracy=0.9, eval_data=eval_data) == []
     assert told() == []
+
+
+@pytest.mark.parametrize(
+    "swap, fragment",
+    [
+        ({"model": lambda x: x}, "model must be a torch.nn.Module, got function"),
+        ({"optimizer": None}, "optimizer must be a torch.optim.Optimizer, got NoneType"),
+        ({"optimizer": "SGD_CLASS"}, "got the class SGD; build it on the model's parameters, e.g. SGD("),
+        ({"train_data": None}, "train_data must be an iterable of (inputs, targets) batches, such as a DataLoader"),
+        ({"train_data": "DATASET"}, "train_data is a TensorDataset, a dataset of single samples; give batches"),
+        ({"eval_data": "DATASET"}, "eval_data is a TensorDataset, a dataset of single samples"),
+    ],
+)
+def test_the_trainers_objects_are_checked_in_one_line(tmp_path, swap, fragment):
+    import torch
+
+    from helpers import tiny_loaders, tiny_model
+    from slipstream import ConfigError, Trainer
+
+    model = tiny_model()
+    train_data, eval_data = tiny_loaders()
+    given = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "train_data": train_data,
+             "eval_data": eval_data, **swap}  # fmt: skip
+    for key, value in given.items():
+        if value == "SGD_CLASS":
+            given[key] = torch.optim.SGD
+        elif value == "DATASET":
+            given[key] = train_data.dataset
+    with pytest.raises(ConfigError) as error:
+        Trainer(**given, run_dir=tmp_path / "run", progress_bar=False, verbose=False)
+    assert fragment in str(error.value)
+    assert not (tmp_path / "run").exists()

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset, IterableDataset
 
 from slipstream import hookspecs
 from slipstream.config.options import (
@@ -143,6 +144,7 @@ class Trainer:
         options: TrainerOptions | None = None,
         **settings: Any,
     ) -> None:
+        _check_arguments(model, optimizer, train_data, eval_data)
         # The run-level settings are TrainerOptions' fields, given as keywords or (the
         # CLI) as options it has already validated and applied; max_duration=None
         # keeps the default.
@@ -692,6 +694,33 @@ class Trainer:
 
 
 SCHEDULER_INTERVALS = ("epoch", "batch")
+
+
+def _check_arguments(model: Any, optimizer: Any, train_data: Any, eval_data: Any) -> None:
+    """The Trainer's objects are what it takes, or one line says what was given: each
+    would otherwise fail later, deep in torch, with a message about something else."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"Trainer: model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, type):
+        raise ConfigError(
+            f"Trainer: optimizer must be an optimizer instance, got the class {optimizer.__name__}; "
+            f"build it on the model's parameters, e.g. {optimizer.__name__}(model.parameters(), lr=0.1)"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"Trainer: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    for name, data in (("train_data", train_data), ("eval_data", eval_data)):
+        if data is None and name == "eval_data":
+            continue
+        if isinstance(data, Dataset) and not isinstance(data, IterableDataset):
+            raise ConfigError(
+                f"Trainer: {name} is a {type(data).__name__}, a dataset of single samples; give batches: "
+                "torch.utils.data.DataLoader(dataset, batch_size=...) or slipstream.data.build_loader(...)"
+            )
+        if not isinstance(data, Iterable):
+            raise ConfigError(
+                f"Trainer: {name} must be an iterable of (inputs, targets) batches, such as a "
+                f"DataLoader; got {type(data).__name__}"
+            )
 # A plain DataLoader's samplers: every process that uses one reads all of the dataset.
 WHOLE_DATASET_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)
 
