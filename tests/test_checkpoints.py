@@ -146,6 +146,24 @@ def test_a_resume_already_at_its_duration_says_nothing_is_left(tmp_path):
         assert first.fit()["batches"] == 4  # fit() again: the run is over
 
 
+def test_a_shuffling_dataloader_resumed_inside_an_epoch_says_it_is_not_exact(tmp_path):
+    from torch.utils.data import DataLoader
+
+    dataset = tiny_loaders()[0].dataset  # 4 batches of 16 an epoch
+    shuffled = DataLoader(dataset, batch_size=16, shuffle=True)
+    first = train(tmp_path / "a", [], train_data=shuffled, max_duration="2ba", checkpoint_interval="2ba",
+                  eval_interval=None)  # fmt: skip
+    latest = first.run_dir / "checkpoints" / "latest.pt"
+    with pytest.warns(UserWarning, match="RandomSampler cannot resume inside an epoch: the rest of epoch 0"):
+        train(tmp_path / "b", [], train_data=shuffled, max_duration="3ba", load_path=latest, eval_interval=None)
+    # In order (SequentialSampler), skipping the first batches is exact: nothing to say.
+    in_order = DataLoader(dataset, batch_size=16, shuffle=False)
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        train(tmp_path / "c", [], train_data=in_order, max_duration="3ba", load_path=latest, eval_interval=None)
+    assert not [w for w in told if "cannot resume inside an epoch" in str(w.message)]
+
+
 def test_checkpoint_that_does_not_fit_the_model(tmp_path):
     first = train(tmp_path / "a", [], max_duration="1ba")
     other = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4))

@@ -670,6 +670,16 @@ class Trainer:
                 skip = 0
             except TypeError:  # torch's DistributedSampler: epoch only
                 sampler.set_epoch(ts.epoch)
+        if skip and isinstance(sampler, torch.utils.data.RandomSampler) and self.state.rank == 0:
+            # Its shuffle is drawn afresh, not the interrupted epoch's: skipping its
+            # first batches cannot give back the samples that epoch had left.
+            warnings.warn(
+                f"slipstream: train_data's RandomSampler cannot resume inside an epoch: the rest of "
+                f"epoch {ts.epoch} comes from a new shuffle, so some of its samples repeat and others "
+                "are left out; for an exact resume use slipstream.data.build_loader (or its "
+                "EpochSampler), or resume from a checkpoint at an epoch's end",
+                stacklevel=2,
+            )
         iterator = iter(loader)
         for _ in range(skip):  # resume mid-epoch on a loader that cannot start late
             next(iterator, None)
