@@ -60,6 +60,7 @@ from slipstream.plugins.variants import choose_variants, print_choice
 from slipstream.run.checkpoint import (
     checkpoint_payload,
     config_differences,
+    keep_saved_optimizer_settings,
     load_checkpoint,
     load_weights,
     restore_checkpoint,
@@ -507,6 +508,7 @@ class Trainer:
                     state.summary["resumed_with_changes"] = changed
                     if state.rank == 0:
                         warnings.warn(resumed_with_changes(self.load_path, saved, self.config, changed), stacklevel=2)
+                    keep_saved_optimizer_settings(self.config, saved, changed)
                 # The records before the checkpoint are in the log of the run that wrote it.
                 written_in = self.load_path.parent.parent if self.load_path.parent.name == "checkpoints" else None
                 if written_in is not None:

@@ -388,14 +388,13 @@ def config_differences(saved: Mapping[str, Any] | None, current: Mapping[str, An
 
 
 def resumed_with_changes(
-    path: Path, saved: Mapping[str, Any] | None, current: dict[str, Any], keys: Sequence[str]
+    path: Path, saved: Mapping[str, Any] | None, current: Mapping[str, Any], keys: Sequence[str]
 ) -> str:
-    """What a resume (``trainer.load_path``) whose config differs from the checkpoint's
-    in ``keys`` (:func:`config_differences`) does with each: returns the warning. A
-    resume may change them, unlike autoresume, but the optimizer's state comes from the
-    checkpoint, so its ``optimizer.*`` values stay; ``current`` (the run's config, what
-    config.yaml and its checkpoints record) is set back to them, to say what runs."""
-    old, new = _flat(dict(saved or {})), _flat(current)
+    """The warning for a resume (``trainer.load_path``) whose config differs from the
+    checkpoint's in ``keys`` (:func:`config_differences`). A resume may change them,
+    unlike autoresume, but the optimizer's state comes from the checkpoint, so its
+    ``optimizer.*`` values stay (:func:`keep_saved_optimizer_settings`)."""
+    old, new = _flat(dict(saved or {})), _flat(dict(current))
 
     def value(flat: dict[str, Any], key: str) -> str:
         if key in flat:
@@ -403,23 +402,33 @@ def resumed_with_changes(
         return "on" if any(k.startswith(key + ".") for k in flat) else "off"
 
     applied = [f"{k} {value(old, k)} -> {value(new, k)}" for k in keys if not k.startswith("optimizer.")]
-    kept = [k for k in keys if k.startswith("optimizer.") and k in old]
+    kept = _kept_optimizer_keys(old, keys)
     told = f"slipstream: resuming from {path} with settings that differ from the run that wrote it. "
     if applied:
         told += f"Taking effect from here on: {', '.join(applied)}. "
     if kept:
         stays = ", ".join(f"{k} stays {value(old, k)} ({value(new, k)} asked)" for k in kept)
         told += f"Not taking effect, as the optimizer's state comes from the checkpoint: {stays}; config.yaml says so. "
-        for key in kept:
-            _set_dotted(current, key, old[key])
     return told + "To train these weights with this run's settings from step 0, set trainer.load_weights_only=true"
 
 
-def _set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
-    *sections, leaf = key.split(".")
-    for section in sections:
-        config = config.setdefault(section, {})
-    config[leaf] = value
+def keep_saved_optimizer_settings(
+    current: dict[str, Any], saved: Mapping[str, Any] | None, keys: Sequence[str]
+) -> None:
+    """Set the ``optimizer.*`` values among ``keys`` in ``current`` (the run's config,
+    what config.yaml and its checkpoints record) back to the checkpoint's: the restored
+    optimizer state runs with those, whatever the config asked."""
+    old = _flat(dict(saved or {}))
+    for key in _kept_optimizer_keys(old, keys):
+        *sections, leaf = key.split(".")
+        section = current
+        for name in sections:
+            section = section.setdefault(name, {})
+        section[leaf] = old[key]
+
+
+def _kept_optimizer_keys(old: Mapping[str, Any], keys: Sequence[str]) -> list[str]:
+    return [k for k in keys if k.startswith("optimizer.") and k in old]
 
 
 def _state_dicts(state: State, hook: Any) -> dict[str, Any]:
