@@ -94,47 +94,43 @@ class Evaluator:
         was_training = model.training
         model.eval()
         state.training = False
-        hooks.eval_start(state=state)
-        # loss sum, top-1 hits, samples, top-5 hits (counted only with >= 5 classes)
-        totals = torch.zeros(4, dtype=torch.float64, device=state.device)
-        classes = 0
-        with torch.no_grad():
-            for batch in state.eval_loader:
-                state.batch = to_device(batch, state.device)
-                hooks.eval_batch_start(state=state)
-                self.prepare(state)
-                state.outputs = hooks.forward(state=state)
-                logits = (
-                    state.outputs[0] if isinstance(state.outputs, (tuple, list)) else state.outputs
-                )
-                targets = state.batch[1]
-                totals[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
-                totals[1] += (logits.argmax(dim=1) == targets).sum()
-                totals[2] += targets.numel()
-                classes = logits.shape[1]
-                if classes >= TOP_K:
-                    top = logits.topk(TOP_K, dim=1).indices
-                    totals[3] += (top == targets.unsqueeze(1)).any(dim=1).sum()
-                hooks.eval_batch_end(state=state)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(totals)
-        loss_sum, correct, count, correct_top5 = totals.tolist()
-        if not count:  # metrics of nothing would read as a loss of 0 and an accuracy of 0
+        try:  # the training state comes back however the evaluation ends
+            hooks.eval_start(state=state)
+            # loss sum, top-1 hits, samples, top-5 hits (counted only with >= 5 classes)
+            totals = torch.zeros(4, dtype=torch.float64, device=state.device)
+            classes = 0
+            with torch.no_grad():
+                for batch in state.eval_loader:
+                    state.batch = to_device(batch, state.device)
+                    hooks.eval_batch_start(state=state)
+                    self.prepare(state)
+                    state.outputs = hooks.forward(state=state)
+                    logits = (
+                        state.outputs[0] if isinstance(state.outputs, (tuple, list)) else state.outputs
+                    )
+                    targets = state.batch[1]
+                    totals[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
+                    totals[1] += (logits.argmax(dim=1) == targets).sum()
+                    totals[2] += targets.numel()
+                    classes = logits.shape[1]
+                    if classes >= TOP_K:
+                        top = logits.topk(TOP_K, dim=1).indices
+                        totals[3] += (top == targets.unsqueeze(1)).any(dim=1).sum()
+                    hooks.eval_batch_end(state=state)
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(totals)
+            loss_sum, correct, count, correct_top5 = totals.tolist()
+            if not count:  # metrics of nothing would read as a loss of 0 and an accuracy of 0
+                raise ConfigError(self._nothing_to_evaluate(state))
+            self._samples = int(count)
+            state.eval_metrics = {"loss": loss_sum / count, "accuracy": correct / count}
+            if classes >= TOP_K:
+                state.eval_metrics["accuracy_top5"] = correct_top5 / count
+            hooks.eval_end(state=state)
+        finally:
             model.train(was_training)
             state.training = True
             state.batch, state.outputs, state.loss = saved
-            raise ConfigError(self._nothing_to_evaluate(state))
-        self._samples = int(count)
-        state.eval_metrics = {
-            "loss": loss_sum / max(count, 1),
-            "accuracy": correct / max(count, 1),
-        }
-        if classes >= TOP_K:
-            state.eval_metrics["accuracy_top5"] = correct_top5 / max(count, 1)
-        hooks.eval_end(state=state)
-        model.train(was_training)
-        state.training = True
-        state.batch, state.outputs, state.loss = saved
         self._last_eval_batch = state.timestamp.batch
         best = max(state.summary.get("best_accuracy") or 0.0, state.eval_metrics["accuracy"])
         state.summary["best_accuracy"] = best
