@@ -86,12 +86,34 @@ def test_a_start_on_empty_data_does_not_block_the_retry(tmp_path):
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4))
     from slipstream import Trainer
 
-    with pytest.raises(ConfigError, match="yielded no batches"):
+    with pytest.raises(ConfigError, match="yielded no batches; its dataset is empty"):
         Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                 train_data=empty, run_dir=tmp_path / "run", device="cpu", progress_bar=False,
                 verbose=False).fit()
     retry = train(tmp_path, [], max_duration="2ba", log_interval=1)
     assert retry.summary["status"] == "completed" and steps(retry.run_dir, "train") == [1, 2]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_data_smaller_than_one_batch_says_the_numbers_and_what_to_change(tmp_path, world_size):
+    # 5 samples, batches of 4 per process, the partial batch dropped: no batch at all
+    # with 2 processes (5 < 8), which the error says in numbers, not "check the data".
+    from slipstream import Trainer
+    from slipstream.data import build_loader
+
+    data = TensorDataset(torch.zeros(5, 3, 16, 16), torch.zeros(5, dtype=torch.long))
+    loaders = {
+        1: DataLoader(data, batch_size=8, drop_last=True),
+        2: build_loader(data, batch_size=4, rank=0, world_size=2),
+    }
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4))
+    with pytest.raises(ConfigError) as err:
+        Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                train_data=loaders[world_size], run_dir=tmp_path / "run", device="cpu",
+                progress_bar=False, verbose=False).fit()
+    batch = "8" if world_size == 1 else "4 x 2 processes"
+    assert f"its 5 samples are fewer than one batch of {batch}, and drop_last drops" in str(err.value)
+    assert f"a batch size of at most {5 // world_size}" in str(err.value) and "drop_last=False" in str(err.value)
 
 
 class FailAt3(Probe):

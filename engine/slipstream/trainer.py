@@ -614,7 +614,7 @@ class Trainer:
                     "before it: it can be read only once (an iterator or generator); pass a "
                     "DataLoader (or anything iter() can start again), or give max_duration in batches"
                 )
-            raise ConfigError("the training data yielded no batches; check the dataset and batch size")
+            raise ConfigError(f"the training data yielded no batches; {_why_no_batches(self.state.train_loader)}")
         # A run that stops mid-epoch has not completed it (a resume continues there).
         epoch_complete = state.batches_per_epoch is None or ts.batch_in_epoch >= state.batches_per_epoch
         if not state.is_done() or epoch_complete:
@@ -753,6 +753,29 @@ def _checked_step(function: Callable[..., Any], plugin: str, step: str) -> Calla
 
     checked._slipstream_checked = True  # type: ignore[attr-defined]
     return checked
+
+
+def _why_no_batches(loader: Any) -> str:
+    """What made an epoch of ``loader`` empty, as far as its dataset, batch size and
+    sampler tell, and what to change."""
+    try:
+        samples = len(loader.dataset)
+    except (AttributeError, TypeError):  # an iterable without a length
+        return "check the dataset and batch size"
+    if samples == 0:
+        return "its dataset is empty"
+    sampler = getattr(loader, "sampler", None)
+    batch_size = getattr(loader, "batch_size", None) or getattr(sampler, "batch_size", None)
+    world = getattr(sampler, "world_size", 1)
+    drops = getattr(sampler, "drop_last", False) or getattr(loader, "drop_last", False)
+    if batch_size and drops and samples < batch_size * world:
+        per = f"{batch_size} x {world} processes" if world > 1 else str(batch_size)
+        return (
+            f"its {samples} samples are fewer than one batch of {per}, and drop_last drops that "
+            f"partial batch; use a batch size of at most {samples // world or 1}, more samples, or "
+            "drop_last=False (data.batch_size, data.train_size, data.drop_last in a config)"
+        )
+    return f"{samples} samples, batch size {batch_size}; check the dataset's sampler"
 
 
 def _batches_per_epoch(loader: Any) -> int | None:
