@@ -708,6 +708,10 @@ class Trainer:
 SCHEDULER_INTERVALS = ("epoch", "batch")
 
 
+# A plain DataLoader's samplers: every process that uses one reads all of the dataset.
+WHOLE_DATASET_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)
+
+
 def _check_arguments(model: Any, optimizer: Any, train_data: Any, eval_data: Any) -> None:
     """The Trainer's objects are what it takes, or one line says what was given: each
     would otherwise fail later, deep in torch, with a message about something else."""
@@ -733,8 +737,6 @@ def _check_arguments(model: Any, optimizer: Any, train_data: Any, eval_data: Any
                 f"Trainer: {name} must be an iterable of (inputs, targets) batches, such as a "
                 f"DataLoader; got {type(data).__name__}"
             )
-# A plain DataLoader's samplers: every process that uses one reads all of the dataset.
-WHOLE_DATASET_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)
 
 
 def _checked_step(function: Callable[..., Any], plugin: str, step: str) -> Callable[..., Any]:
