@@ -8,6 +8,12 @@ STAMP := $(VENV)/.installed
 # setuptools says "Editable installation." once per editable install (a page each, with
 # nothing to act on); pip passes this filter on to the build back-ends it starts.
 QUIET_PIP := PYTHONWARNINGS="ignore:Editable installation"
+# A pip configuration that names index folders which do not exist (some managed machines
+# have one) makes pip warn once per package and folder: over a hundred lines with nothing
+# to act on. Only that line is dropped; pip's exit status still ends the set-up (pipefail).
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+PIP_FILTER := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 # `make test` runs the suite on this many pytest-xdist workers, a test file per
 # worker (module fixtures run once); `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= 2
@@ -18,8 +24,8 @@ setup: $(STAMP)
 
 $(STAMP): Makefile pyproject.toml setup.cfg $(PLUGINS)
 	$(PYTHON) -m venv $(VENV)
-	$(QUIET_PIP) $(BIN)/python -m pip install --upgrade --quiet "pip>=23" "setuptools>=64" wheel
-	$(QUIET_PIP) $(BIN)/python -m pip install --quiet -e ".[dev,sweep,onnx]" $(foreach p,$(PLUGINS),-e $(dir $(p)))
+	$(QUIET_PIP) $(BIN)/python -m pip install --upgrade --quiet "pip>=23" "setuptools>=64" wheel $(PIP_FILTER)
+	$(QUIET_PIP) $(BIN)/python -m pip install --quiet -e ".[dev,sweep,onnx]" $(foreach p,$(PLUGINS),-e $(dir $(p))) $(PIP_FILTER)
 	touch $(STAMP)
 
 train: $(STAMP)
