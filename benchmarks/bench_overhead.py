@@ -32,8 +32,8 @@ with the quartiles of that ratio over chunks of 100 steps:
 
 After the paired steps it prints **whole runs**, the reading a user sees and the one
 the peers' figures (Fabric 1.09, Ignite 1.11, Accelerate 1.24, Lightning 1.44, Composer
-2.52) were measured with: whole ``fit()`` calls (start-up, both epochs and the end of
-the run) against a whole hand-written loop, on the peers' anchor workload (a
+2.52) were measured with: whole ``fit()`` calls (making the Trainer, start-up, both epochs
+and the end of the run) against a whole hand-written loop, on the peers' anchor workload (a
 3072-32-10 MLP on 3x32x32 inputs, batch 32, a shuffled DataLoader, SGD with momentum,
 2 epochs of 200 steps), engine and loop alternated, the median of the ratios, bare and
 with the progress bar (``/work/shared/acceptance/08-engine-overhead`` measures the same).
@@ -48,6 +48,7 @@ quartiles are the spread to trust; here it is several per cent).
     .venv/bin/python benchmarks/bench_overhead.py --breakdown   # + the loop without its services
     .venv/bin/python benchmarks/bench_overhead.py --log-interval 1   # a metrics record every batch
     .venv/bin/python benchmarks/bench_overhead.py --opcodes   # the engine's Python per batch, counted
+    .venv/bin/python benchmarks/bench_overhead.py --instructions   # whole runs' instructions (valgrind)
     .venv/bin/python benchmarks/bench_overhead.py --whole-runs [--steps 1000 --repeats 11]
     .venv/bin/python benchmarks/bench_overhead.py --fit-calls 15   # more whole runs
     .venv/bin/python benchmarks/bench_overhead.py --phases --threads 2   # a run's one-off costs
@@ -57,11 +58,15 @@ quartiles are the spread to trust; here it is several per cent).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -323,17 +328,18 @@ def anchor_setup() -> tuple[DataLoader, nn.Module, torch.optim.Optimizer]:
     return data, model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
-def anchor_hand_written(epochs: int = 2) -> float:
+def anchor_hand_written(epochs: int = 2, section: Callable[[], Any] = contextlib.nullcontext) -> float:
     data, model, optimizer = anchor_setup()
     loss_fn = nn.CrossEntropyLoss()
-    started = time.perf_counter()
-    for _ in range(epochs):
-        for x, y in data:
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()
-    return time.perf_counter() - started
+    with section():
+        started = time.perf_counter()
+        for _ in range(epochs):
+            for x, y in data:
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                optimizer.step()
+        return time.perf_counter() - started
 
 
 def anchor_fit(
@@ -341,11 +347,13 @@ def anchor_fit(
     max_duration: str = "2ep",
     engine: type[Trainer] = Trainer,
     without: tuple[str, ...] = (),
+    section: Callable[[], Any] = contextlib.nullcontext,
 ) -> float:
-    """Seconds of one whole ``fit()`` call of the anchor workload, from its start to its
-    summary, the services ``without`` unregistered first."""
+    """Seconds of one whole ``fit()`` call of the anchor workload, from making the Trainer
+    to its summary (``section`` around both), the services ``without`` unregistered first."""
     data, model, optimizer = anchor_setup()
-    with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as sink:
+    with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as sink, section():
+        started = time.perf_counter()
         trainer = engine(
             model=model,
             optimizer=optimizer,
@@ -358,7 +366,6 @@ def anchor_fit(
             verbose=False,
         )
         prepare(trainer, sink if progress_bar else None, without)
-        started = time.perf_counter()
         trainer.fit()
         return time.perf_counter() - started
 
@@ -529,6 +536,62 @@ def main_opcodes(args) -> None:
     print(f"{sum(counts.values()) / steps:8.1f}  in all")
 
 
+# Set in the process this script starts under valgrind for --instructions.
+UNDER_CALLGRIND = "SLIPSTREAM_BENCH_UNDER_CALLGRIND"
+
+
+def main_instructions(epochs: int = 2) -> None:
+    """Instructions executed by one whole run, the Trainer's (bare) against the
+    hand-written loop's, counted by valgrind's callgrind: a count, not a time, so it is
+    the same whatever else the machine runs, where the timed ratio moves by several per
+    cent. It leaves out what costs time without instructions (cache misses, fsync
+    waits), so the timed ratio is the higher of the two. One thread: an OpenMP worker's
+    spinning would add instructions that depend on timing. The progress bar is left out:
+    how often it redraws depends on time, which valgrind slows some 50x. Takes 10-15 minutes."""
+    if os.environ.get(UNDER_CALLGRIND) == "1":
+        return _count_in_callgrind(epochs)
+    valgrind, control = shutil.which("valgrind"), shutil.which("callgrind_control")
+    if valgrind is None or control is None:
+        raise SystemExit("--instructions needs valgrind and callgrind_control on PATH (Debian: apt install valgrind)")
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [valgrind, "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/counts.%p"]
+        command += [sys.executable, __file__, "--instructions", "--threads", "1", "--epochs", str(epochs)]
+        env = {**os.environ, UNDER_CALLGRIND: "1", "PYTHONHASHSEED": "0"}  # the same dict layouts each time
+        subprocess.run(command, env=env, check=True, capture_output=True)
+        # One dump per section, numbered in the order taken: the hand-written loop, then the Trainer.
+        dumps = sorted(Path(tmp).glob("counts.*.*"), key=lambda path: int(path.suffix[1:]))
+        counts = [
+            int(line.split()[1]) for dump in dumps for line in dump.read_text().splitlines()
+            if line.startswith("summary:")
+        ]
+    if len(counts) != 2:
+        raise SystemExit(f"expected 2 callgrind dumps, found {len(counts)} in {[d.name for d in dumps]}")
+    hand, engine = counts
+    print(f"instructions of one whole run of the anchor workload ({epochs} epochs of 200 steps), 1 thread, callgrind")
+    print(f"{'hand-written loop':<20} {hand / 1e6:>10,.1f} M   1.000")
+    print(f"{'Trainer bare':<20} {engine / 1e6:>10,.1f} M   {engine / hand:.3f}   (+{(engine - hand) / 1e6:,.1f} M)")
+
+
+def _count_in_callgrind(epochs: int) -> None:
+    def control(*flags: str) -> None:
+        subprocess.run(["callgrind_control", *flags, str(os.getpid())], check=True, capture_output=True)
+
+    @contextlib.contextmanager
+    def counted() -> Iterator[None]:
+        control("--instr=on")
+        control("--zero")
+        try:
+            yield
+        finally:
+            control("--dump")
+            control("--instr=off")
+
+    anchor_hand_written(epochs)  # first-call costs (uncounted) belong to neither side
+    anchor_fit(max_duration=f"{epochs}ep")
+    anchor_hand_written(epochs, section=counted)
+    anchor_fit(max_duration=f"{epochs}ep", section=counted)
+
+
 def main() -> None:
     p = parser(__doc__)
     p.set_defaults(threads=1, steps=None, warmup=None, repeats=None)
@@ -536,6 +599,10 @@ def main() -> None:
     p.add_argument("--whole-runs", action="store_true", help="whole loops in turn instead of paired steps")
     p.add_argument("--log-interval", type=int, default=20, help="the Trainer's log_interval (default 20)")
     p.add_argument("--opcodes", action="store_true", help="count the engine's Python opcodes per batch (no timing)")
+    p.add_argument(
+        "--instructions", action="store_true", help="count the instructions of whole runs under valgrind (no timing)"
+    )
+    p.add_argument("--epochs", type=int, default=2, help="epochs of a whole run for --instructions (default 2)")
     p.add_argument("--fit-calls", type=int, default=None, help="whole fit() calls per variant (default 7; 0: skip)")
     p.add_argument("--phases", action="store_true", help="a run's one-off costs, phase by phase (no loop)")
     p.add_argument(
@@ -550,6 +617,8 @@ def main() -> None:
     args.warmup = args.warmup if args.warmup is not None else warmup
     args.repeats = args.repeats or repeats
     torch.set_num_threads(args.threads)
+    if args.instructions:
+        return main_instructions(args.epochs)
     if args.opcodes:
         return main_opcodes(args)
     if args.phases:
