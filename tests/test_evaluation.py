@@ -112,3 +112,30 @@ def test_a_model_handed_over_in_eval_mode_trains_in_training_mode(tmp_path):
     assert {mode for kind, mode in modes if kind == "train"} == {True}
     assert {mode for kind, mode in modes if kind == "eval"} == {False}
     assert [kind for kind, _ in modes].count("train") == 4
+
+
+def test_a_part_a_plugin_keeps_in_eval_mode_stays_there_after_each_evaluation(tmp_path):
+    """A plugin freezes the batch-norm layers at fit_start (docs/plugins.md, "Training
+    mode"); the evaluations in between must not put them back into training, where their
+    running statistics would move again without a word."""
+    model = tiny_model()
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms
+
+    def freeze(state):
+        for norm in norms:
+            norm.eval()
+
+    seen: list[tuple[bool, bool]] = []  # (model, every norm) in training mode, per batch
+    probe = Probe(
+        fit_start=freeze,
+        before_forward=lambda s: seen.append((s.model.training, any(n.training for n in norms))),
+    )
+    train_data, eval_data = tiny_loaders()
+    frozen = [n.running_mean.clone() for n in norms]
+    Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_data=train_data,
+            eval_data=eval_data, algorithms=[probe], max_duration="4ba", eval_interval="1ba",
+            run_dir=tmp_path / "run", progress_bar=False, verbose=False).fit()  # fmt: skip
+    assert seen == [(True, False)] * 4  # three evaluations came in between
+    for norm, before in zip(norms, frozen, strict=True):
+        assert torch.equal(norm.running_mean, before)

@@ -91,7 +91,9 @@ class Evaluator:
         started = time.perf_counter()
         model, hooks = state.model, self.hooks
         saved = state.batch, state.outputs, state.loss
-        was_training = model.training
+        # Each module's own mode, not only the model's: a plugin may keep part of the
+        # model in eval mode (frozen batch-norm statistics) for the whole run.
+        modes = [(module, module.training) for module in model.modules()]
         model.eval()
         state.training = False
         try:  # the training state comes back however the evaluation ends
@@ -128,7 +130,7 @@ class Evaluator:
                 state.eval_metrics["accuracy_top5"] = correct_top5 / count
             hooks.eval_end(state=state)
         finally:
-            model.train(was_training)
+            _restore_modes(model, modes)
             state.training = True
             state.batch, state.outputs, state.loss = saved
         self._last_eval_batch = state.timestamp.batch
@@ -143,3 +145,12 @@ class Evaluator:
             state.summary.get("eval_time_s", 0.0) + time.perf_counter() - started
         )
         return state.eval_metrics
+
+
+def _restore_modes(model: torch.nn.Module, modes: list[tuple[torch.nn.Module, bool]]) -> None:
+    """Put back the mode each module had: ``train()`` on the model (a model may override
+    it), then on each module left in another mode, parents before children."""
+    model.train(modes[0][1])
+    for module, training in modes:
+        if module.training != training:
+            module.train(training)
