@@ -45,6 +45,60 @@ def test_a_correctly_named_hook_of_the_same_plugin_is_accepted(tmp_path):
     train(tmp_path, [Fixed()], max_duration="1ba", eval_interval=None)
 
 
+def test_a_hook_argument_the_hook_does_not_pass_is_one_clear_error(tmp_path):
+    class TypoArgument(Algorithm):
+        name = "typo_arg"
+
+        @hookimpl
+        def batch_start(self, stat):  # meant state
+            pass
+
+    with pytest.raises(PluginError) as caught:
+        train(tmp_path, [TypoArgument()], max_duration="1ba")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert re.search(r"'typo_arg'.*'batch_start' takes 'stat' \(did you mean 'state'\?\).*passes state", message)
+
+
+def test_a_wrapper_that_is_no_generator_is_one_clear_error(tmp_path):
+    class NotAGenerator(Algorithm):
+        name = "no_yield"
+
+        @hookimpl(wrapper=True)
+        def forward(self, state):
+            return None
+
+    with pytest.raises(PluginError, match=r"^plugin 'no_yield' \(NotAGenerator\): .*not a generator function"):
+        train(tmp_path, [NotAGenerator()], max_duration="1ba")
+
+
+def test_a_method_named_as_a_hook_without_hookimpl_is_warned_and_marking_it_is_silent(tmp_path):
+    calls = []
+
+    class Unmarked(Algorithm):
+        name = "unmarked"
+
+        def batch_start(self, state):  # @hookimpl forgotten: pluggy passes it over
+            calls.append(1)
+
+        def helper(self):  # no hook's name: nothing to say
+            pass
+
+    with pytest.warns(UserWarning, match=r"'unmarked' \(Unmarked\) defines 'batch_start'.*without @hookimpl"):
+        train(tmp_path / "a", [Unmarked()], max_duration="1ba", eval_interval=None)
+    assert calls == []
+
+    class Marked(Unmarked):
+        @hookimpl
+        def batch_start(self, state):
+            calls.append(1)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*without @hookimpl")
+        train(tmp_path / "b", [Marked()], max_duration="1ba", eval_interval=None)
+    assert calls == [1]
+
+
 class Helper:
     @hookimpl
     def after_optimiser_step(self, state):  # British spelling: no such hook

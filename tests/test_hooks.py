@@ -296,6 +296,36 @@ def test_a_replacing_step_that_returns_none_is_an_error_naming_the_plugin(tmp_pa
     assert plugin.calls == 1  # stopped at its first call, before a second backward
 
 
+class ScalesTheLoss(Algorithm):
+    """Wraps compute_loss; ``forget`` drops the result (no ``return``)."""
+
+    name = "scales_loss"
+
+    def __init__(self, forget: bool):
+        super().__init__()
+        self.forget = forget
+        self.losses = []
+
+    @hookimpl(wrapper=True)
+    def compute_loss(self, state):
+        loss = yield
+        if self.forget:
+            loss = loss * 2  # and no return
+        else:
+            self.losses.append(loss.item())
+            return loss * 2
+
+
+def test_a_step_wrapper_that_returns_none_is_an_error_naming_the_plugin(tmp_path):
+    with pytest.raises(PluginError, match=r"^plugin 'scales_loss' wraps the 'compute_loss' step but returned None"):
+        train(tmp_path / "a", [ScalesTheLoss(forget=True)], max_duration="2ba", eval_interval=None)
+    # Returning the result: the loop gets what the wrapper made of it.
+    plugin, kept = ScalesTheLoss(forget=False), []
+    probe = Probe(after_loss=lambda s: kept.append(s.loss.item()))
+    train(tmp_path / "b", [plugin, probe], max_duration="2ba", eval_interval=None)
+    assert kept == pytest.approx([2 * loss for loss in plugin.losses])
+
+
 def test_not_mine_leaves_the_step_to_the_engine(tmp_path):
     plugin = BackwardSometimes()
     moved = []

@@ -54,6 +54,7 @@ from slipstream.plugins.discovery import (
     distribution_of,
     instantiate,
     resolve_order,
+    unmarked_hooks,
 )
 from slipstream.plugins.dispatch import bind, bind_event, plugin_manager
 from slipstream.plugins.variants import choose_variants, print_choice
@@ -413,6 +414,18 @@ class Trainer:
         for algo in reversed(self.algorithms):
             self.pm.register(algo, name=algo.name)
         self._check_hooks()
+        if write:
+            self._warn_unmarked_hooks()
+
+    def _warn_unmarked_hooks(self) -> None:
+        for plugin in (*self.algorithms, *self.callbacks):
+            for method in unmarked_hooks(self.pm, plugin):
+                warnings.warn(
+                    f"slipstream: plugin {plugin.name!r} ({type(plugin).__name__}) defines {method!r}, "
+                    "the name of a hook, without @hookimpl, so the engine never calls it; mark it "
+                    "@hookimpl (from slipstream import hookimpl), or rename it if it is no hook",
+                    stacklevel=4,
+                )
 
     def _before_checkpoint(self, state: State) -> bool:
         """The checkpoint service's guard: the metrics log written as far as the
@@ -438,6 +451,9 @@ class Trainer:
             for impl in impls:
                 if not getattr(impl.function, "_slipstream_checked", False):
                     impl.function = _checked_step(impl.function, impl.plugin_name, step)
+            for impl in getattr(self.pm.hook, step).get_hookimpls():
+                if impl.wrapper and not getattr(impl.function, "_slipstream_checked", False):
+                    impl.function = _checked_wrapper(impl.function, impl.plugin_name, step)
             replacing = [impl.plugin_name for impl in impls]
             if len(replacing) > 1:
                 raise PluginError(
@@ -752,6 +768,25 @@ def _checked_step(function: Callable[..., Any], plugin: str, step: str) -> Calla
                 f"step's result, or slipstream.NOT_MINE to leave the step to the engine"
             )
         return None if result is hookspecs.NOT_MINE else result
+
+    checked._slipstream_checked = True  # type: ignore[attr-defined]
+    return checked
+
+
+def _checked_wrapper(function: Callable[..., Any], plugin: str, step: str) -> Callable[..., Any]:
+    """A step wrapper (``@hookimpl(wrapper=True)``) as pluggy calls it: what it returns
+    is the step's result, so None (a forgotten ``return``) is an error naming it rather
+    than a None loss or output failing somewhere after."""
+
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        result = yield from function(*args, **kwargs)
+        if result is None:
+            raise PluginError(
+                f"plugin {plugin!r} wraps the '{step}' step but returned None; a wrapper returns "
+                "the step's result: `result = yield`, then `return result` (or what replaces it)"
+            )
+        return result
 
     checked._slipstream_checked = True  # type: ignore[attr-defined]
     return checked

@@ -341,6 +341,27 @@ def check_hook_names(pm: pluggy.PluginManager) -> None:
     pm.check_pending()  # anything the loop above does not know of yet
 
 
+def unmarked_hooks(pm: pluggy.PluginManager, plugin: Any) -> list[str]:
+    """The methods of ``plugin``'s own classes named as a hook but not marked
+    ``@hookimpl``: pluggy passes them over, so the engine would never call them. The
+    engine's base classes and torch's (an ``nn.Module``'s ``forward``) are left out."""
+    hooks = {name for name in vars(pm.hook) if not name.startswith("_") and getattr(pm.hook, name).has_spec()}
+    marker = f"{pm.project_name}_impl"
+    found: list[str] = []
+    seen: set[str] = set()  # defined by a class before in the MRO: that one is what counts
+    for klass in type(plugin).__mro__:
+        if klass is object or klass.__module__.split(".")[0] in ("slipstream", "torch"):
+            continue
+        for name, value in vars(klass).items():
+            if name in seen:
+                continue
+            seen.add(name)
+            function = getattr(value, "__func__", value)
+            if name in hooks and callable(function) and not hasattr(function, marker):
+                found.append(name)
+    return found
+
+
 def check_callbacks(callbacks: list[Callback], algorithms: list[Algorithm]) -> None:
     """Refuse a callback enabled twice, or one named as an algorithm of the run
     (checkpoints keep plugin state under the name)."""

@@ -29,11 +29,14 @@ plugins may register helpers).
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable
 from typing import Any
 
 import pluggy
+
+from slipstream.errors import PluginError, did_you_mean
 
 
 class PluginManager(pluggy.PluginManager):
@@ -55,8 +58,34 @@ class PluginManager(pluggy.PluginManager):
             self._marked_now = _marked(plugin, self.project_name + "_impl")
         try:
             return super().register(plugin, name)
+        except pluggy.PluginValidationError as error:  # pluggy's is several lines, naming no fix
+            raise PluginError(self._invalid(plugin, name, error)) from None
         finally:
             self._marked_now = outer
+
+    def _invalid(self, plugin: Any, name: str | None, error: pluggy.PluginValidationError) -> str:
+        """One line for a plugin pluggy refused: a hook method taking an argument the
+        hook does not pass (a typo, most often) names it, the closest one and what the
+        hook passes; anything else is pluggy's message on one line."""
+        who = f"plugin {name or getattr(plugin, 'name', None) or type(plugin).__name__!r} ({type(plugin).__name__})"
+        for hook in sorted(self._marked_now or ()):
+            caller = getattr(self.hook, hook, None)
+            spec = getattr(caller, "spec", None)
+            if spec is None:
+                continue
+            try:
+                parameters = inspect.signature(getattr(plugin, hook)).parameters.values()
+            except (TypeError, ValueError):
+                continue
+            positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            unknown = [p.name for p in parameters if p.kind in positional and p.name not in spec.argnames]
+            if unknown:
+                hints = "".join(f" {a!r}{did_you_mean(a, spec.argnames)}" for a in unknown)
+                return (
+                    f"{who}: its hook method {hook!r} takes{hints}, which the hook does not pass; "
+                    f"{hook!r} passes {', '.join(spec.argnames)} (take any of them, by these names)"
+                )
+        return f"{who}: " + " ".join(str(error).split())
 
     def parse_hookimpl_opts(self, plugin: Any, name: str) -> Any:
         marked = self._marked_now
