@@ -643,7 +643,10 @@ class Trainer:
     def _train_batch(self, batch: Any) -> None:
         state, h, ts = self.state, self._hooks, self.state.timestamp
         state.batch = self._to_device(batch)
-        inputs = state.batch[0]
+        try:
+            inputs = state.batch[0]
+        except (KeyError, IndexError, TypeError):
+            raise ConfigError(_not_a_pair(state.batch)) from None
         samples = (inputs.shape[0] if isinstance(inputs, torch.Tensor) else len(inputs)) * state.world_size
         if h.batch_start:
             h.batch_start(state=state)
@@ -771,6 +774,15 @@ def _checked_step(function: Callable[..., Any], plugin: str, step: str) -> Calla
 
     checked._slipstream_checked = True  # type: ignore[attr-defined]
     return checked
+
+
+def _not_a_pair(batch: Any) -> str:
+    what = f"a dict with keys {sorted(map(str, batch))}" if isinstance(batch, dict) else f"a {type(batch).__name__}"
+    return (
+        f"a training batch must be a tuple or list (inputs, targets, ...), as a DataLoader of "
+        f"(input, target) samples yields; got {what}: have the dataset return (input, target), "
+        "or give the DataLoader a collate_fn that makes the pair"
+    )
 
 
 def _checked_wrapper(function: Callable[..., Any], plugin: str, step: str) -> Callable[..., Any]:

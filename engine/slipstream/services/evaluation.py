@@ -16,6 +16,7 @@ from slipstream.errors import ConfigError
 from slipstream.hookspecs import hookimpl
 from slipstream.interval import RunInterval
 from slipstream.services.batches import to_device
+from slipstream.services.steps import not_logits
 from slipstream.state import State
 
 TOP_K = 5  # accuracy_top5: whether the target is among the 5 highest logits
@@ -110,6 +111,9 @@ class Evaluator:
                     logits = (
                         state.outputs[0] if isinstance(state.outputs, (tuple, list)) else state.outputs
                     )
+                    if not isinstance(logits, torch.Tensor):
+                        fix = "return the logits from forward in eval mode (or a tuple whose first item they are)"
+                        raise ConfigError(not_logits(state.outputs, "the evaluation", fix))
                     targets = state.batch[1]
                     totals[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
                     totals[1] += (logits.argmax(dim=1) == targets).sum()

@@ -40,7 +40,13 @@ class DefaultSteps:
 
     @hookimpl(trylast=True)
     def compute_loss(self, state: State) -> Any:
-        return state.loss_fn(state.outputs, state.batch[1])
+        try:
+            return state.loss_fn(state.outputs, state.batch[1])
+        except (TypeError, AttributeError) as exc:
+            if isinstance(state.outputs, (tuple, list, dict)):
+                fix = "return the logits from forward, or give a loss_fn that takes what the model returns"
+                raise ConfigError(not_logits(state.outputs, f"the loss ({exc})", fix)) from None
+            raise
 
     @hookimpl(trylast=True)
     def backward(self, state: State) -> Any:
@@ -78,3 +84,12 @@ class DefaultSteps:
         state.unwrapped_model.load_state_dict(state_dicts["model"])
         state.optimizer.load_state_dict(state_dicts["optimizer"])
         return True
+
+
+def not_logits(outputs: Any, needed_by: str, fix: str) -> str:
+    """What to say when the model's outputs are not the logits a step needs."""
+    if isinstance(outputs, dict):
+        what = f"a dict with keys {sorted(map(str, outputs))}"
+    else:
+        what = f"a {type(outputs).__name__} of {len(outputs)}"
+    return f"the model returned {what}, and {needed_by} needs its logits (a tensor); {fix}"
