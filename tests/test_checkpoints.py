@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -340,3 +341,21 @@ def test_a_plugin_owns_wrapping_saving_and_loading_through_the_step_hooks(tmp_pa
     assert reader.loaded is not None  # the plugin loaded it, not the engine's default
     assert resumed.state.timestamp.batch == 2  # nothing left to train: the weights are as loaded
     assert all(torch.equal(v, live[k]) for k, v in resumed.state.model[0].state_dict().items())
+
+
+def test_a_changed_plugin_option_is_named_with_its_values_not_as_the_plugin_on_and_on():
+    from slipstream.run.checkpoint import config_differences, resumed_with_changes
+
+    saved = {"algorithms": {"ema": {}, "mixup": {"alpha": 0.2}}, "optimizer": {"lr": 0.1}}
+    asked = {"algorithms": {"ema": {"decay": 0.9}, "mixup": {"alpha": 0.4}}, "optimizer": {"lr": 0.1}}
+    keys = config_differences(saved, asked)
+    assert keys == ["algorithms.ema.decay", "algorithms.mixup.alpha"]
+    message = resumed_with_changes(Path("latest.pt"), saved, asked, keys)
+    assert "algorithms.ema.decay its default -> 0.9, algorithms.mixup.alpha 0.2 -> 0.4" in message
+    # A plugin switched on or off is still named as the plugin.
+    assert config_differences(saved, {"algorithms": {"mixup": {"alpha": 0.2}}, "optimizer": {"lr": 0.1}}) == [
+        "algorithms.ema"
+    ]
+    assert "algorithms.ema on -> off" in resumed_with_changes(
+        Path("latest.pt"), saved, {"algorithms": {"mixup": {"alpha": 0.2}}}, ["algorithms.ema"]
+    )

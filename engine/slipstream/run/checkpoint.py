@@ -382,9 +382,19 @@ def config_differences(saved: Mapping[str, Any] | None, current: Mapping[str, An
     differ = {k for k in old.keys() & new.keys() if old[k] != new[k] and not may_change(k)}
     for key in old.keys() ^ new.keys():
         parts = key.split(".")
-        if parts[0] == "algorithms" and len(parts) >= 2:
-            differ.add(".".join(parts[:2]))
+        if parts[0] != "algorithms" or len(parts) < 2:
+            continue
+        plugin = ".".join(parts[:2])
+        if not (_enabled(old, plugin) and _enabled(new, plugin)):
+            differ.add(plugin)  # enabled on one side only
+        elif len(parts) > 2:
+            differ.add(key)  # an option set on one side, its default on the other
     return sorted(differ)
+
+
+def _enabled(flat: Mapping[str, Any], plugin: str) -> bool:
+    """Whether the flattened config enables ``algorithms.<name>`` (``{}``: its defaults)."""
+    return plugin in flat or any(k.startswith(plugin + ".") for k in flat)
 
 
 def resumed_with_changes(
@@ -399,7 +409,9 @@ def resumed_with_changes(
     def value(flat: dict[str, Any], key: str) -> str:
         if key in flat:
             return "on" if flat[key] == {} else repr(flat[key])  # an enabled plugin with default options
-        return "on" if any(k.startswith(key + ".") for k in flat) else "off"
+        if any(k.startswith(key + ".") for k in flat):
+            return "on"
+        return "its default" if key.count(".") >= 2 else "off"  # an option of an enabled plugin, or none
 
     applied = [f"{k} {value(old, k)} -> {value(new, k)}" for k in keys if not k.startswith("optimizer.")]
     kept = _kept_optimizer_keys(old, keys)
