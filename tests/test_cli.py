@@ -259,7 +259,10 @@ def test_a_plugin_that_fails_to_import(tmp_path):
     assert "broken" in listing.stdout and "FAILED TO LOAD" not in listing.stdout
     assert "--check" in listing.stdout
     listing = slipstream("algorithms", "--check", env=env)
-    assert listing.returncode == 0
+    assert listing.returncode == 1  # a check that finds a broken plugin fails
+    assert "1 of the algorithms failed to load: broken" in listing.stderr
+    assert slipstream("algorithms", "--check", "--json", env=env).returncode == 1
+    assert slipstream("algorithms", "--check").returncode == 0  # without it, all load
     assert (
         "broken" in listing.stdout
         and "FAILED TO LOAD" in listing.stdout

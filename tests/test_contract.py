@@ -465,3 +465,16 @@ def test_compute_loss_is_training_only_and_evaluation_uses_cross_entropy(tmp_pat
     expected = F.cross_entropy(torch.cat(logits), torch.cat(targets)).item()
     assert trainer.state.eval_metrics["loss"] == pytest.approx(expected, rel=1e-5)
     assert trainer.state.eval_metrics["loss"] != pytest.approx(7.0)
+
+
+def test_algorithms_given_as_a_string_are_names_and_a_class_is_told_to_be_an_instance(tmp_path):
+    model = tiny_model()
+    train_data, _ = tiny_loaders()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model=model, optimizer=optimizer, train_data=train_data, algorithms="ema,label_smoothing",
+                      max_duration="1ba", run_dir=tmp_path / "a", verbose=False)  # fmt: skip
+    assert sorted(a.name for a in trainer.algorithms) == ["ema", "label_smoothing"]  # not "e", "m", "a"
+    with pytest.raises(PluginError, match=r"^Probe is a class; pass an instance: Probe\(\)$"):
+        train(tmp_path / "b", [Probe], max_duration="1ba")
+    with pytest.raises(PluginError, match=r"^3 is neither an Algorithm object nor an installed algorithm's name"):
+        train(tmp_path / "c", [3], max_duration="1ba")

@@ -277,7 +277,7 @@ def test_a_plugin_calling_sys_exit_at_import(capsys, tmp_path, monkeypatch):
     code, out, _ = run_cli(capsys, "algorithms")  # metadata only: the module is not run
     assert code == 0 and "quitter" in out and "FAILED" not in out
     code, out, _ = run_cli(capsys, "algorithms", "--check")
-    assert code == 0
+    assert code == 1
     assert "quitter" in out and "FAILED TO LOAD: its import called sys.exit(3)" in out
     assert "channels_last" in out  # the others are still listed
     code, _, err = run_cli(capsys, "train", *TINY, "--algorithms", "quitter")

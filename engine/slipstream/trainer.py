@@ -91,7 +91,8 @@ class Trainer:
     """Train ``model`` with ``optimizer`` on ``train_data`` for ``max_duration``.
 
     ``algorithms`` holds :class:`Algorithm` instances (or installed names, built
-    with their default config); ``callbacks`` the same for :class:`Callback`
+    with their default config; one string is read as ``"a,b"`` is on the command
+    line); ``callbacks`` the same for :class:`Callback`
     (loggers, profiler, early stopping), called in the order given.
     ``train_data``/``eval_data`` are any iterables of ``(inputs, targets)`` batches,
     usually DataLoaders; a DataLoader whose sampler has ``set_epoch(epoch,
@@ -318,15 +319,20 @@ class Trainer:
     def _as_plugins(self, items: Sequence[Any], group: str) -> list[Any]:
         """Instances as given; names built with their default config."""
         base, noun = GROUPS[group]
+        if isinstance(items, str):  # "ema" or "ema,mixup", as on the command line
+            items = [name.strip() for name in items.split(",") if name.strip()]
         built = []
         for item in items:
             if isinstance(item, base):
                 built.append(item)
             elif isinstance(item, str):
                 built.extend(instantiate({item: None}, self._installed_of(group), group))
+            elif isinstance(item, type) and issubclass(item, base):
+                raise PluginError(f"{item.__name__} is a class; pass an instance: {item.__name__}()")
             else:
+                article = "an" if base.__name__[0] in "AEIOU" else "a"
                 raise PluginError(
-                    f"{item!r} is not a {base.__name__} instance or an installed {noun}'s name"
+                    f"{item!r} is neither {article} {base.__name__} object nor an installed {noun}'s name"
                 )
         return built
 

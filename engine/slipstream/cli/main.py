@@ -490,9 +490,12 @@ def print_plugin_listing(group: str, kind: str, *, check: bool, as_json: bool) -
     from slipstream.plugins.discovery import list_installed
 
     infos = list_installed(group, check=check)
+    # A check that found a plugin which cannot load fails, so a script or CI job sees it.
+    broken = [i.name for i in infos if i.error]
+    failed = 1 if check and broken else 0
     if as_json:
         print(json.dumps([info.as_dict() for info in infos], indent=2))
-        return 0
+        return failed
     if not infos:
         print(f"no {kind} installed (entry point group {group!r})")
         return 0
@@ -510,7 +513,9 @@ def print_plugin_listing(group: str, kind: str, *, check: bool, as_json: bool) -
         print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}")
     if not check:
         print(f"(plugins not imported; `slipstream {kind} --check` imports each and reports load errors)")
-    return 0
+    elif broken:
+        print(f"slipstream: {len(broken)} of the {kind} failed to load: {', '.join(broken)}", file=sys.stderr)
+    return failed
 
 
 def _sweep(args: argparse.Namespace) -> int:
