@@ -476,5 +476,5 @@ def test_algorithms_given_as_a_string_are_names_and_a_class_is_told_to_be_an_ins
     assert sorted(a.name for a in trainer.algorithms) == ["ema", "label_smoothing"]  # not "e", "m", "a"
     with pytest.raises(PluginError, match=r"^Probe is a class; pass an instance: Probe\(\)$"):
         train(tmp_path / "b", [Probe], max_duration="1ba")
-    with pytest.raises(PluginError, match=r"^3 is neither an Algorithm object nor an installed algorithm's name"):
+    with pytest.raises(PluginError, match=r"^3 is not an Algorithm instance or an installed algorithm's name"):
         train(tmp_path / "c", [3], max_duration="1ba")

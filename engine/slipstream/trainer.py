@@ -332,7 +332,7 @@ class Trainer:
             else:
                 article = "an" if base.__name__[0] in "AEIOU" else "a"
                 raise PluginError(
-                    f"{item!r} is neither {article} {base.__name__} object nor an installed {noun}'s name"
+                    f"{item!r} is not {article} {base.__name__} instance or an installed {noun}'s name"
                 )
         return built
 
