@@ -147,6 +147,20 @@ def test_a_resume_already_at_its_duration_says_nothing_is_left(tmp_path):
         assert first.fit()["batches"] == 4  # fit() again: the run is over
 
 
+def test_a_finished_run_resumed_again_is_left_as_it_is(tmp_path):
+    """A requeued job that had finished (autoresume) trains nothing and writes nothing:
+    no second final evaluation in the log, no summary of an empty session (0 samples/s)
+    over the finished run's."""
+    kwargs = dict(max_duration="2ba", checkpoint_interval="2ba", eval_interval="2ba", autoresume=True)
+    first = train(tmp_path, [], **kwargs)
+    files = {name: (first.run_dir / name).read_bytes() for name in ("metrics.jsonl", "summary.json")}
+    assert json.loads(files["summary.json"])["samples_per_s"] > 0
+    with pytest.warns(UserWarning, match="nothing is left to train, and the run directory is left as it is"):
+        again = train(tmp_path, [], **kwargs)
+    assert {name: (first.run_dir / name).read_bytes() for name in files} == files
+    assert again.summary == json.loads(files["summary.json"])
+
+
 def test_a_shuffling_dataloader_resumed_inside_an_epoch_says_it_is_not_exact(tmp_path):
     from torch.utils.data import DataLoader
 
@@ -340,7 +354,7 @@ def test_a_plugin_owns_wrapping_saving_and_loading_through_the_step_hooks(tmp_pa
     resumed = train(tmp_path / "b", [reader], max_duration="2ba", load_path=first.run_dir / "checkpoints" / "latest.pt")
     assert reader.loaded is not None  # the plugin loaded it, not the engine's default
     assert resumed.state.timestamp.batch == 2  # nothing left to train: the weights are as loaded
-    assert all(torch.equal(v, live[k]) for k, v in resumed.state.model[0].state_dict().items())
+    assert all(torch.equal(v, live[k]) for k, v in resumed.state.unwrapped_model.state_dict().items())
 
 
 def test_a_changed_plugin_option_is_named_with_its_values_not_as_the_plugin_on_and_on():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -535,15 +536,21 @@ class Trainer:
                 written_in = self.load_path.parent.parent if self.load_path.parent.name == "checkpoints" else None
                 if written_in is not None:
                     resume_summary(state, RunDir(written_in).metrics, self.target)
-            if state.is_done() and state.rank == 0:  # resumed at its end, or fit() called again
+            if state.is_done():  # resumed at its end (a requeued job that had finished), or fit() again
                 ts = state.timestamp
                 where = self.load_path if self.load_path is not None and ts.batch else "this Trainer"
-                warnings.warn(
-                    f"slipstream: {where} is at step {ts.batch} (epoch {ts.epoch}), already at "
-                    f"trainer.max_duration={state.max_duration}: nothing is left to train; raise "
-                    "trainer.max_duration to train on",
-                    stacklevel=2,
-                )
+                if state.rank == 0:
+                    warnings.warn(
+                        f"slipstream: {where} is at step {ts.batch} (epoch {ts.epoch}), already at "
+                        f"trainer.max_duration={state.max_duration}: nothing is left to train, and the "
+                        "run directory is left as it is; raise trainer.max_duration to train on",
+                        stacklevel=2,
+                    )
+                # Nothing runs and nothing is written: another final evaluation and a
+                # summary of a session that trained nothing (0 samples/s) would overwrite
+                # the finished run's.
+                self.summary = self._finished_summary()
+                return self.summary
             self._wrap_distributed()
             self._bind_hooks()
             if state.rank == 0:
@@ -578,6 +585,22 @@ class Trainer:
         if self.verbose and state.stop_reason:
             print(f"slipstream: {state.stop_reason}", file=sys.stderr)
         return self.summary
+
+    def _finished_summary(self) -> dict[str, Any]:
+        """The summary of a run already at its end: this Trainer's own after an earlier
+        fit(), else the summary.json of the run directory, or of the run that wrote the
+        checkpoint."""
+        if self.summary_writer.summary:
+            return self.summary_writer.summary
+        places = [self.run_dir]
+        if self.load_path is not None and self.load_path.parent.name == "checkpoints":
+            places.append(self.load_path.parent.parent)
+        for place in places:
+            try:
+                return json.loads((place / "summary.json").read_text())
+            except (OSError, ValueError):
+                continue
+        return {"status": "completed", "batches": self.state.timestamp.batch}
 
     def _choose_variants(self, payload: dict[str, Any] | None) -> None:
         """Measured ``auto`` (`slipstream.plugins.variants`): each algorithm that declares
