@@ -121,6 +121,17 @@ def test_override_with_invalid_yaml_names_the_override(bad):
     assert repr(bad) in str(info.value) and "trainer.seed=1" not in str(info.value)
 
 
+@pytest.mark.parametrize("plain", ["trainer=5", "data=cifar10", "algorithms=ema"])
+def test_an_override_setting_a_whole_section_to_a_plain_value_is_refused(plain):
+    """Between two overrides of its section it used to drop the first without a word."""
+    section = plain.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"sets the whole section '{section}' .* must be a mapping"):
+        build_config(None, None, ["trainer.max_duration=1ba", plain, "trainer.seed=3"])
+    # A mapping is a section's value; algorithms=null turns off the recipe's algorithms.
+    cfg = build_config(None, None, ["trainer.max_duration=1ba", "trainer.seed=3", "algorithms=null"])
+    assert cfg.trainer.max_duration == "1ba" and cfg.trainer.seed == 3
+
+
 def test_override_values_are_yaml():
     cfg = build_config(None, None, ["algorithms.gpu_augmentation.crop_scale=[0.8, 1.0]", "trainer.seed=3"])
     assert list(cfg.algorithms.gpu_augmentation.crop_scale) == [0.8, 1.0] and cfg.trainer.seed == 3

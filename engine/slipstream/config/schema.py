@@ -208,6 +208,26 @@ def parse_algorithm_list(text: str) -> tuple[list[str], list[str]]:
     return add, remove
 
 
+def _check_section_override(item: str) -> None:
+    """Refuse ``trainer=5``: a whole section set to a plain value would drop, without a
+    word, the section's overrides before it (and those after it would make it a mapping
+    again). ``algorithms=null`` (none of the recipe's) stays allowed."""
+    key, _, text = item.partition("=")
+    key = key.strip()
+    if key not in SECTIONS and key not in PLUGIN_SECTIONS:
+        return
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return  # the parse below says what is wrong with it
+    if isinstance(value, dict) or (value is None and key in PLUGIN_SECTIONS):
+        return
+    raise ConfigError(
+        f"override {item!r} sets the whole section {key!r} to {value!r}, but it must be a mapping; "
+        f"set its keys instead, e.g. {key}.<key>=value"
+    )
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """Dotted ``key=value`` pairs as a nested dict (values parsed as YAML)."""
     for item in overrides:
@@ -217,6 +237,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             )
     merged = OmegaConf.create()
     for item in overrides:
+        _check_section_override(item)
         # Parsed one at a time so that the error names the override at fault; values
         # are YAML, whose parser raises its own errors, not omegaconf's.
         try:
