@@ -98,6 +98,9 @@ def test_a_signal_ends_the_run_after_the_batch_with_a_checkpoint(cli, tmp_path, 
     assert train_records(run_dir)[-1]["step"] == stopped_at  # the batch was finished and logged
     latest = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
     assert latest["timestamp"]["batch"] == stopped_at
+    # The reason names the step the run stopped at and checkpointed, not the one before it.
+    name = signal.Signals(signum).name
+    assert summary["stop_reason"] == f"interrupted by {name}: stopped after step {stopped_at}, with a checkpoint of it"
     if signum != signal.SIGINT:
         return
 
@@ -131,6 +134,8 @@ def test_a_second_signal_aborts_at_once(cli, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and "aborted by a second SIGINT" in summary["error"]
     assert not (run_dir / "checkpoints" / "latest.pt").exists()  # no time was spent on one
+    # ... and the summary does not promise one.
+    assert "aborted by a second SIGINT" in summary["stop_reason"] and "no checkpoint" in summary["stop_reason"]
 
 
 def test_a_resume_from_an_earlier_checkpoint_drops_the_later_records(tmp_path):

@@ -44,14 +44,18 @@ def stop_on_signals(state: State, verbose: bool = True) -> Callable[[], None]:
         return lambda: None
 
     def handle(signum: int, frame: Any) -> None:
-        if state.stop_status == "interrupted":
-            raise Aborted(signum)
         name = signal.Signals(signum).name
-        step = state.timestamp.batch
-        state.request_stop(
-            "interrupted",
-            f"interrupted by {name} at step {step}: stopped after that batch with a checkpoint",
-        )
+        if state.stop_status == "interrupted":
+            # The summary written on the way out must not promise the checkpoint the
+            # first signal asked for.
+            state.stop_reason = (
+                f"aborted by a second {name} at step {state.timestamp.batch}, before the batch "
+                "in progress ended: no checkpoint was written for it"
+            )
+            raise Aborted(signum)
+        # The run's last step is known only when the batch in progress ends: the
+        # trainer completes this reason then (interrupted_reason).
+        state.request_stop("interrupted", f"interrupted by {name}")
         state.summary["interrupted_by"] = name
         if verbose:
             print(
@@ -68,3 +72,13 @@ def stop_on_signals(state: State, verbose: bool = True) -> Callable[[], None]:
             signal.signal(signum, handler)
 
     return restore
+
+
+def interrupted_reason(name: str, step: int, checkpointed: bool) -> str:
+    """What an interrupted run says once it has stopped, at ``step``."""
+    if checkpointed:
+        return f"interrupted by {name}: stopped after step {step}, with a checkpoint of it"
+    return (
+        f"interrupted by {name}: stopped after step {step}, without a checkpoint "
+        "(trainer.checkpoint_interval is off)"
+    )

@@ -37,7 +37,7 @@ from slipstream.data.loaders import stop_workers
 from slipstream.distributed import init_distributed, resolve_device
 from slipstream.duration import Duration
 from slipstream.errors import CheckpointError, ConfigError, ConfigWarning, PluginError
-from slipstream.interrupts import stop_on_signals
+from slipstream.interrupts import interrupted_reason, stop_on_signals
 from slipstream.optim import check_optimizer_holds
 from slipstream.plugins.algorithm import Algorithm
 from slipstream.plugins.callback import Callback
@@ -569,6 +569,10 @@ class Trainer:
             self._hooks.fit_start(state=state)
             self._loop()
             state.tick()
+            if state.stop_status == "interrupted":
+                signal_name = state.summary.get("interrupted_by", "a signal")
+                checkpointed = self.checkpointer.interval.enabled
+                state.stop_reason = interrupted_reason(signal_name, state.timestamp.batch, checkpointed)
             self.divergence.finish(state)
             self._hooks.fit_end(state=state)
         except BaseException as error:
