@@ -60,6 +60,21 @@ def test_checkpoint_interval_in_batches_keeps_the_newest(tmp_path):
     assert names == ["ep0-ba4.pt", "ep1-ba6.pt", "latest.pt"]  # ba4 ends epoch 0, before epoch_end
 
 
+def test_checkpoint_keep_holds_across_a_resume_and_0_keeps_only_latest(tmp_path):
+    kwargs = dict(checkpoint_interval="1ba", checkpoint_keep=2, eval_interval=None, autoresume=True)
+    first = train(tmp_path / "a", [], max_duration="4ba", **kwargs)
+    folder = first.run_dir / "checkpoints"
+    def steps():
+        return sorted(int(p.stem.split("-ba")[1]) for p in folder.glob("ep*-ba*.pt"))
+
+    assert steps() == [3, 4]
+    train(tmp_path / "a", [], max_duration="6ba", **kwargs)  # a requeued job goes on in place
+    assert steps() == [5, 6]
+    none = train(tmp_path / "b", [], max_duration="3ba", **{**kwargs, "checkpoint_keep": 0})
+    assert sorted(p.name for p in (none.run_dir / "checkpoints").iterdir()) == ["latest.pt"]
+    assert load_checkpoint(none.run_dir / "checkpoints" / "latest.pt")["timestamp"]["batch"] == 3
+
+
 def test_no_temporary_files_are_left_behind(tmp_path):
     trainer = train(tmp_path, [], max_duration="1ep")
     assert not [p for p in (trainer.run_dir / "checkpoints").iterdir() if p.name.startswith(".")]

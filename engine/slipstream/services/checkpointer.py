@@ -18,6 +18,7 @@ sharded checkpoints (its shards would need a folder of their own): a warning say
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -42,6 +43,9 @@ from slipstream.run.checkpoint import (
 )
 from slipstream.run.directory import RunDir
 from slipstream.state import State
+
+# An interval checkpoint's file name (run.directory.checkpoint_name), its step captured.
+_INTERVAL_NAME = re.compile(r"ep\d+-ba(\d+)\.pt")
 
 
 # The metrics best.pt may monitor, and whether higher is better.
@@ -73,6 +77,11 @@ class Checkpointer:
     @hookimpl
     def fit_start(self, state: State) -> None:
         self.interval.start(state)
+        if state.timestamp.batch > 0 and self.write:
+            # A resumed run counts the interval checkpoints the run before it left
+            # (up to its step) against checkpoint_keep: each requeue would otherwise
+            # leave up to `keep` more behind.
+            self._written = [path for step, path in self._interval_checkpoints() if step <= state.timestamp.batch]
         if state.timestamp.batch > 0 and self.paths.best.is_file():
             # A resumed run: the best so far is the one best.pt holds.
             try:
@@ -168,14 +177,27 @@ class Checkpointer:
         if payload is None or not self.write:
             return None
         ts = state.timestamp
+        if self.keep == 0:  # none kept besides latest.pt: none written
+            return save_checkpoint(payload, self.paths.latest)
         path = save_checkpoint(payload, self.paths.checkpoint(ts.epoch, ts.batch))
         save_checkpoint(payload, self.paths.latest)
+        if path in self._written:  # the same step written again (a resume from before it)
+            self._written.remove(path)
         self._written.append(path)
-        while self.keep >= 0 and len(self._written) > max(self.keep, 1):
+        while self.keep >= 0 and len(self._written) > self.keep:
             old = self._written.pop(0)
             old.unlink(missing_ok=True)
             shutil.rmtree(self.paths.shards_of(old), ignore_errors=True)
         return path
+
+    def _interval_checkpoints(self) -> list[tuple[int, Path]]:
+        """The interval checkpoints in the run directory, as (step, path), oldest first."""
+        found = []
+        for path in self.paths.checkpoints.glob("ep*-ba*.pt"):
+            match = _INTERVAL_NAME.fullmatch(path.name)
+            if match:
+                found.append((int(match.group(1)), path))
+        return sorted(found)
 
     def _save_shards(
         self, state: State, payload: dict[str, Any], sharded: list[str]
