@@ -195,7 +195,9 @@ class TrainerOptions:
     checkpoint_interval: str | Duration | None = setting(
         "1ep", "a duration; null: no checkpoints at all", config=Optional[str]
     )
-    checkpoint_keep: int = setting(2, "interval checkpoints kept besides latest.pt; -1 keeps all")
+    checkpoint_keep: int = setting(
+        2, "interval checkpoints kept besides latest.pt; 0 writes only latest.pt; -1 keeps all"
+    )
     load_path: str | Path | None = setting(None, "a checkpoint to resume from", config=Optional[str])
     # A requeued job: continue from run_dir's latest.pt when it has one, else start
     # (from load_path when given); refused when the saved config differs in training.
