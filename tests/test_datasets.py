@@ -333,3 +333,25 @@ def test_example_dataset_plugin_installs_and_is_found(tmp_path, monkeypatch) -> 
     assert out.num_classes == 2 and len(epoch_prints(out.train, 0)) == 16
     with pytest.raises(ConfigError, match=r"data.files is not read by data.name=npz \(did you mean 'file'\?\)"):
         build_dataset_plugin({**options, "files": "x"})
+
+
+@pytest.mark.parametrize("source", ["wds", "hf"])
+def test_eval_and_export_rebuild_a_plugin_datasets_run_from_its_checkpoint(data, tmp_path, capsys, source) -> None:
+    """The dataset plugin's own keys (webdataset's urls, huggingface's path) travel in the
+    checkpoint's config: eval and export rebuild the run from it alone."""
+    run = tmp_path / "run"
+    keys = [f"data.{k}={v}" for k, v in data[source].items()]
+    assert main(["train", "--recipe", "default", "-q", *keys, "model.name=test_resnet", "data.image_size=16",
+                 "data.batch_size=8", "data.num_workers=0", "trainer.max_duration=2ba",
+                 f"trainer.run_dir={run}"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    if source == "wds":  # the fixture's eval_urls name the first of the val shards
+        with tarfile.open(data["wds"]["eval_urls"]) as tar:
+            expected = sum(name.endswith(".cls") for name in tar.getnames())
+    else:
+        expected = VAL
+    assert result["samples"] == expected and result["data"] == data[source]["name"]
+    assert main(["export", "--checkpoint", str(run), "--format", "torchscript", "-o", str(tmp_path / "m.pt")]) == 0
+    assert (tmp_path / "m.pt").is_file()

@@ -141,6 +141,10 @@ def known_keys(cfg: dict[str, Any]) -> dict[str, Any]:
             out[section] = values
         elif section in SECTIONS and isinstance(values, dict):
             fields = {f.name for f in dataclasses.fields(SECTIONS[section])}
+            if section == "data" and any(key not in fields for key in values):
+                # A dataset plugin's own keys (webdataset's urls, huggingface's path):
+                # without them its run could not be rebuilt for eval or export.
+                fields |= set(dataset_plugin_keys())
             out[section] = {k: v for k, v in values.items() if k in fields}
     return out
 

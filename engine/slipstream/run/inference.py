@@ -143,7 +143,8 @@ def evaluate_checkpoint(
     ts = rebuilt.payload.get("timestamp", {})
     result = {
         **{k: float(v) for k, v in metrics.items()},
-        "samples": len(getattr(state.eval_loader, "dataset", []) or []),
+        # Counted by the evaluation: a streamed dataset (WebDataset shards) has no len().
+        "samples": rebuilt.trainer.evaluator.samples,
         "checkpoint": str(checkpoint),
         "weights": weights,
         "epoch": ts.get("epoch"),

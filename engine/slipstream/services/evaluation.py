@@ -74,6 +74,11 @@ class Evaluator:
         if self.interval.enabled and self._last_eval_batch != state.timestamp.batch and self.guard(state):
             self.evaluate(state)
 
+    @property
+    def samples(self) -> int:
+        """The samples the last evaluation saw (on this process)."""
+        return self._samples
+
     def _nothing_to_evaluate(self, state: State) -> str:
         if self._samples:
             return (
