@@ -139,8 +139,15 @@ def test_override_values_are_yaml():
 
 def test_broken_yaml_is_a_clear_error(tmp_path):
     write(tmp_path / "broken.yaml", "model: {name: resnet18\ndata: [")
-    with pytest.raises(ConfigError, match="is not valid YAML"):
+    with pytest.raises(ConfigError, match=r"is not valid YAML: .* at line \d+, column \d+") as info:
         build_config(tmp_path / "broken.yaml")
+    assert "\n" not in str(info.value)  # one line, not PyYAML's excerpt of the file
+
+
+def test_extends_of_a_missing_recipe_names_the_recipe_that_extends_it(tmp_path):
+    write(tmp_path / "child.yaml", "extends: nothere\ntrainer: {seed: 1}\n")
+    with pytest.raises(ConfigError, match=r"recipe .*child.yaml extends 'nothere', which cannot be found: no recipe"):
+        build_config(tmp_path / "child.yaml")
 
 
 def test_a_recipe_that_is_not_a_mapping(tmp_path):

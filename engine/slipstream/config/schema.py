@@ -114,7 +114,7 @@ def load_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError(f"recipe {path} is not valid YAML: {exc}") from None
+        raise ConfigError(f"recipe {path} is not valid YAML: {_yaml_problem(exc)}") from None
     except OSError as exc:
         raise ConfigError(f"cannot read recipe {path}: {exc.strerror}") from None
     if raw is None:
@@ -127,9 +127,24 @@ def load_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]
     check_keys(raw, source=str(path))
     if parent is None:
         return raw
-    parent_path = find_recipe(str(parent), relative_to=path.parent)
+    try:
+        parent_path = find_recipe(str(parent), relative_to=path.parent)
+    except ConfigError as exc:
+        raise ConfigError(f"recipe {path} extends {parent!r}, which cannot be found: {exc}") from None
     base = load_recipe_file(parent_path, (*_seen, path))
     return OmegaConf.to_container(OmegaConf.merge(base, raw))  # type: ignore[return-value]
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: what is wrong and where (line and column from 1),
+    without the source excerpt it prints under the position."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem is None:
+        return " ".join(str(exc).split())
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(exc, "context", None)
+    return f"{problem}{where}" + (f" ({context})" if context else "")
 
 
 def known_keys(cfg: dict[str, Any]) -> dict[str, Any]:
