@@ -271,6 +271,29 @@ def _listed(names: Sequence[str], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def weight_problems(
+    saved: Mapping[str, Any], own: Mapping[str, Any], leave_out: Sequence[str] = ()
+) -> list[str]:
+    """What keeps the weights ``saved`` from fitting a model whose state dict is
+    ``own``: the missing, the unexpected and the mis-shaped, each a short list."""
+    missing = [k for k in own if k not in saved and k not in leave_out]
+    unexpected = [k for k in saved if k not in own]
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} vs {tuple(own[k].shape)}"
+        for k in saved
+        if k in own and isinstance(saved[k], torch.Tensor) and saved[k].shape != own[k].shape
+    ]
+    return [
+        f"{label}: {_listed(names)}"
+        for label, names in (
+            ("missing from the checkpoint", missing),
+            ("unexpected (not in this model)", unexpected),
+            ("of another shape (checkpoint vs model)", shapes),
+        )
+        if names
+    ]
+
+
 def load_weights(
     model: torch.nn.Module,
     path: str | Path,
@@ -292,22 +315,7 @@ def load_weights(
     own = model.state_dict()
     kept = {k: v for k, v in saved.items() if not _matches(k, ignore_keys)}
     ignored = [k for k in own if _matches(k, ignore_keys)]
-    missing = [k for k in own if k not in kept and k not in ignored]
-    unexpected = [k for k in kept if k not in own]
-    shapes = [
-        f"{k} {tuple(kept[k].shape)} vs {tuple(own[k].shape)}"
-        for k in kept
-        if k in own and isinstance(kept[k], torch.Tensor) and kept[k].shape != own[k].shape
-    ]
-    problems = [
-        f"{label}: {_listed(names)}"
-        for label, names in (
-            ("missing from the checkpoint", missing),
-            ("unexpected (not in this model)", unexpected),
-            ("of another shape (checkpoint vs model)", shapes),
-        )
-        if names
-    ]
+    problems = weight_problems(kept, own, leave_out=ignored)
     if problems:
         raise CheckpointError(
             f"checkpoint {path}: its {weights} weights do not fit {type(model).__name__}; "
@@ -481,9 +489,13 @@ def restore_checkpoint(
             state.unwrapped_model.load_state_dict(state_dicts["model"])
             state.optimizer.load_state_dict(state_dicts["optimizer"])
     except RuntimeError as exc:
-        detail = " ".join(str(exc).split())[:400]
+        problems = []
+        if not payload.get("shards") and isinstance(payload.get("model"), Mapping):
+            problems = weight_problems(payload["model"], state.unwrapped_model.state_dict())
+        detail = "; ".join(problems) if problems else " ".join(str(exc).split())[:400]
         raise CheckpointError(
-            f"checkpoint {path} does not fit this model: {detail}. {written_by(payload, state)}"
+            f"checkpoint {path} does not fit this model ({type(state.unwrapped_model).__name__}): "
+            f"{detail}. {written_by(payload, state)}"
         ) from None
     except (ValueError, KeyError) as exc:
         raise CheckpointError(
