@@ -28,8 +28,17 @@ class ConfigWarning(UserWarning):
 
 
 def closest(word: str, choices: Iterable[str]) -> str | None:
-    matches = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
-    return matches[0] if matches else None
+    """The choice most like ``word`` (the case of letters aside), or None.
+
+    >>> closest("EMA", ["ema", "mixup"]), closest("mixp", ["ema", "mixup"]), closest("zzz", ["ema"])
+    ('ema', 'mixup', None)
+    """
+    choices = list(choices)
+    by_lower = {c.lower(): c for c in choices}
+    if word.lower() in by_lower:
+        return by_lower[word.lower()]
+    matches = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.5)
+    return by_lower[matches[0]] if matches else None
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
