@@ -1,6 +1,7 @@
 """Configuration: recipes, inheritance, merge order and clear errors."""
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -221,3 +222,16 @@ def test_durations(text, value, unit):
 def test_bad_durations(text):
     with pytest.raises(DurationError):
         Duration.parse(text)
+
+
+def test_a_checkpoints_config_under_other_data_leaves_its_datasets_own_keys_behind():
+    """eval on a held-out ImageFolder of a run trained on synthetic data: synthetic's
+    sizes are neither applied nor warned about as if the user had set them."""
+    base = {"data": {"name": "synthetic", "train_size": 100, "val_size": 50, "image_size": 32}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = build_config(None, None, ["data.name=imagefolder", "data.root=/data/holdout"], base=base)
+    assert cfg.data.image_size == 32 and cfg.data.root == "/data/holdout"
+    assert cfg.data.train_size == build_config().data.train_size  # the default, not the checkpoint's
+    same = build_config(None, None, ["data.val_size=60"], base=base)  # the same data: all of it kept
+    assert (same.data.train_size, same.data.val_size) == (100, 60)

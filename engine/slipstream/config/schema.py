@@ -284,16 +284,17 @@ def build_config(
     # The chosen dataset plugin's own keys join the data section (checked in validate).
     OmegaConf.set_struct(merged.data, False)
     layers: list[tuple[str, dict[str, Any]]] = []
-    if base:
-        layers.append(("the checkpoint's config", known_keys(base)))
+    over = parse_overrides(list(overrides or []))
+    check_keys(over, source="command line")
     if recipe is not None:
         path = find_recipe(str(recipe))
         layers.append((f"recipe {path}", load_recipe_file(path)))
+    if base:
+        named = [(layer.get("data") or {}).get("name") for _, layer in (*layers, ("", over))]
+        layers.insert(0, ("the checkpoint's config", _base_for(known_keys(base), next(filter(None, named), None))))
     for source, layer in layers:
         merged = _merge(merged, layer, source)
 
-    over = parse_overrides(list(overrides or []))
-    check_keys(over, source="command line")
     chosen = {
         section: _plugin_section(merged, section, flag, over.pop(section, None))
         for section, flag in (("algorithms", algorithms), ("callbacks", callbacks))
@@ -305,6 +306,18 @@ def build_config(
     validate(merged)
     warn_no_ops(merged)
     return merged
+
+
+def _base_for(base: dict[str, Any], data_name: str | None) -> dict[str, Any]:
+    """A checkpoint's config under a recipe or overrides that name other data (eval on a
+    held-out set): the data keys only its own dataset read go, so they are neither
+    applied to the new one nor warned about as if the user had set them."""
+    data = base.get("data") or {}
+    if data_name is None or data_name == data.get("name"):
+        return base
+    own = {key.split(".", 1)[1] for key, _, choice in _READ_ONLY_BY if choice == "data.name"}
+    general = {f.name for f in dataclasses.fields(SECTIONS["data"])} - own
+    return {**base, "data": {k: v for k, v in data.items() if k in general}}
 
 
 def _plugin_section(
