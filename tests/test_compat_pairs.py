@@ -34,3 +34,23 @@ def test_the_table_records_these_cells(matrix):
     pairs = {c.label: [cell.outcome, cell.detail] for c, cell in matrix.cells.items() if len(c.names) == 2}
     assert {k: v for k, v in committed.items() if k in pairs} == pairs
     assert set(pairs) <= set(committed), "regenerate docs/compatibility.md (command in its header)"
+
+
+def test_a_pair_with_a_plugin_that_fails_alone_is_a_failure_not_n_a():
+    """n/a means a plugin declared it does not suit a model; a plugin that broke on its
+    own makes its pairs untried, which the grid must not pass off as n/a."""
+    from slipstream.plugins.compatibility import MODELS, Cell, Combo, Matrix, pair_cell
+
+    matrix = Matrix(names=["broken", "fine", "cnn_only"], five=())
+    for kind in MODELS:
+        matrix.cells[Combo(("broken",), model=kind)] = Cell("failed", "ValueError: oops")
+        matrix.cells[Combo(("fine",), model=kind)] = Cell("works")
+        matrix.cells[Combo(("cnn_only",), model=kind)] = Cell("works" if kind == "cnn" else "refused", "no ViT")
+    matrix.cells[Combo(("fine", "cnn_only"), model="cnn")] = Cell("works")
+    cell = pair_cell(matrix, "broken", "fine")
+    assert cell.outcome == "failed" and "broken failed on its own" in cell.detail
+    assert pair_cell(matrix, "fine", "cnn_only").outcome == "works"
+    declined = Matrix(names=["vit_only", "cnn_only"], five=(), cells=dict(matrix.cells))
+    for kind in MODELS:
+        declined.cells[Combo(("vit_only",), model=kind)] = Cell("works" if kind != "cnn" else "refused", "no CNN")
+    assert pair_cell(declined, "vit_only", "cnn_only").outcome == "not_applicable"

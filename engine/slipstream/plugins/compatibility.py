@@ -789,7 +789,7 @@ def wrapped_cell(matrix: Matrix, name: str, wrap: str) -> Cell | None:
     """``name`` alone under ``wrap`` (with fsdp: fsdp and ``name``)."""
     models = matrix.models_for(name)
     if not models:
-        return Cell("not_applicable", f"{name} applies to no tiny model")
+        return _failed_alone(matrix, name) or Cell("not_applicable", f"{name} applies to no tiny model")
     if name in matrix.classes and not wrap_hooks(matrix.classes[name]):
         return Cell("as_one_process", "no hook where a wrap matters (it acts on batches, the loss or the LR)")
     names = (name,) if wrap == "ddp" else (name, WRAP_PLUGIN)
@@ -802,13 +802,22 @@ def pair_cell(matrix: Matrix, a: str, b: str) -> Cell | None:
         return wrapped_cell(matrix, b if a == WRAP_PLUGIN else a, "fsdp")
     kind = pair_model(matrix, a, b)
     if kind is None:
-        return Cell("not_applicable", f"no tiny model suits both ({a}: {', '.join(matrix.models_for(a)) or 'none'}; "
-                                      f"{b}: {', '.join(matrix.models_for(b)) or 'none'})")
+        uses = "; ".join(f"{n}: {', '.join(matrix.models_for(n)) or 'none'}" for n in (a, b))
+        return _failed_alone(matrix, a, b) or Cell("not_applicable", f"no tiny model suits both ({uses})")
     for names in ((a, b), (b, a)):
         cell = matrix.cells.get(Combo(names, model=kind))
         if cell is not None:
             return cell
     return None
+
+
+def _failed_alone(matrix: Matrix, *names: str) -> Cell | None:
+    """A failure for a combination not tried because one of ``names`` failed on its own
+    (not "does not apply": that is a plugin's declared refusal of a model)."""
+    broken = [n for n in names if any(c.outcome == "failed" for c in matrix.single(n).values())]
+    if not broken:
+        return None
+    return Cell("failed", f"{' and '.join(broken)} failed on its own, so this was not tried")
 
 
 def failures(matrix: Matrix) -> dict[str, Cell]:
