@@ -265,6 +265,16 @@ def test_the_engines_own_warnings_are_one_line_each(capsys, tmp_path, monkeypatc
     assert "UserWarning" not in err and "warnings.warn" not in err and "peak_flops(" not in err, err
 
 
+def test_a_plugins_warning_from_its_hook_is_one_line_too(capsys, tmp_path):
+    """A plugin warns from its hook with stacklevel=2, which points into pluggy: shown as
+    Python shows it, the line named pluggy's file and not what to look at."""
+    code, _, err = run_cli(capsys, "train", *TINY, "--algorithms", "mixed_precision",
+                           "algorithms.mixed_precision.dtype=fp16", f"trainer.run_dir={tmp_path / 'r'}")  # fmt: skip
+    assert code == 0, err
+    assert "slipstream: warning: mixed_precision: fp16 on CPU is usually far slower than fp32" in err, err
+    assert "pluggy" not in err and "UserWarning" not in err, err
+
+
 # -- a plugin that exits at import ----------------------------------------------------------
 
 
