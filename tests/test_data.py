@@ -284,6 +284,17 @@ def test_cifar_corrupted_is_data_error(tmp_path: Path) -> None:
         build_datasets("cifar10", root=tmp_path)
 
 
+def test_cifar_files_made_another_way_are_told_apart_from_a_broken_download(tmp_path: Path) -> None:
+    """Real-format CIFAR-10 files that are not the official ones (written here with
+    pickle, md5s not registered) fail torchvision's check; the error says why and
+    what loads them, not only to download again (which an offline user cannot)."""
+    with pytest.MonkeyPatch.context() as patch:
+        _fake_cifar10(tmp_path, patch)  # the md5s registered only inside this block
+    with pytest.raises(DataError, match=r"md5 of the official archive.*data.name=imagefolder.*delete") as info:
+        build_datasets("cifar10", root=tmp_path)
+    assert "\n" not in str(info.value)
+
+
 def test_cifar_needs_root() -> None:
     with pytest.raises(DataError, match="data.root"):
         build_datasets("cifar10")

@@ -105,10 +105,14 @@ def _cifar(
             ) from None
         if not isinstance(err, RuntimeError):
             raise
-        # torchvision's "not found or corrupted"
+        # torchvision's "not found or corrupted": a file missing, or one whose md5 is not
+        # that of the official archive's (a re-created or subset copy fails the same way).
         raise DataError(
-            f"{name} in {folder} is incomplete or corrupted ({err}). "
-            f"Delete it and set data.download=true to fetch it again."
+            f"{name} in {folder} is incomplete or corrupted ({err}): torchvision checks each file "
+            f"against the md5 of the official archive, so a copy made or cut down another way "
+            f"does not load as {name} either (write it as an ImageFolder tree and use "
+            f"data.name=imagefolder). For a downloaded copy, delete {folder} and set "
+            f"data.download=true to fetch it again."
         ) from err
     return (
         _from_torchvision_cifar(train, image_size),
