@@ -174,6 +174,9 @@ def export_model(
     if format not in FORMATS:
         raise ConfigError(f"export format {format!r} is not one of {', '.join(FORMATS)}")
     output = Path(output)
+    if format == "exported-program" and output.suffix != ".pt2":
+        # torch.export.load reads other names only after complaining that they do not end in .pt2
+        raise ConfigError(f"an exported-program file ends in .pt2 (torch.export's package format); got {output}")
     output.parent.mkdir(parents=True, exist_ok=True)
     model = model.eval()
     with torch.no_grad():
