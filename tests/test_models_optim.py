@@ -69,3 +69,17 @@ def test_optimizer_errors():
         build_optimizer(torch.nn.Linear(2, 2), "adafactor", 0.1, impl="fused")
     with pytest.raises(ConfigError, match="optimizer.impl 'fast'"):
         build_optimizer(torch.nn.Linear(2, 2), "sgd", 0.1, impl="fast")
+
+
+def test_a_vits_position_embedding_and_class_token_get_no_weight_decay_as_in_timm():
+    """timm's ViT lists them in no_weight_decay(); its recipes (and our layer_decay path)
+    leave them undecayed, and so does the default grouping."""
+    model = build_model("test_vit", num_classes=4, image_size=32)
+    skip = set(model.no_weight_decay())
+    assert {"pos_embed", "cls_token"} <= skip
+    opt = build_optimizer(model, "adamw", 1e-3, weight_decay=0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    undecayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert skip & set(names.values()) <= undecayed
+    decayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.05 for p in g["params"]}
+    assert decayed and all(model.get_parameter(n).ndim > 1 for n in decayed) and not decayed & skip

@@ -105,8 +105,10 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """Build the named optimizer over the model's trainable parameters.
 
-    Norm and bias parameters get no weight decay, as in timm's recipes. ``name`` is
-    sgd, adamw, adafactor or an import path to a ``torch.optim.Optimizer`` subclass
+    Norm and bias parameters get no weight decay, nor those a timm model lists in
+    ``no_weight_decay()`` (a ViT's position embedding and class token), as in timm's
+    recipes. ``name`` is sgd, adamw, adafactor or an import path to a
+    ``torch.optim.Optimizer`` subclass
     (``package.module:Class``), built with ``lr``, ``weight_decay`` (per group) and
     ``kwargs``.
 
@@ -225,10 +227,14 @@ def param_groups(
                 "classifier's parameter names"
             )
         scale = backbone_lr_scale
+    # timm's models name the parameters their recipes do not decay (a ViT's position
+    # embedding and class token), as the layer_decay path above honours too.
+    no_wd = getattr(model, "no_weight_decay", None)
+    skip = set(no_wd()) if callable(no_wd) else set()
     buckets: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            key = (name in head_names or backbone_lr_scale is None, param.ndim <= 1)
+            key = (name in head_names or backbone_lr_scale is None, param.ndim <= 1 or name in skip)
             buckets.setdefault(key, []).append(param)
     groups = []
     for in_head in (False, True):
