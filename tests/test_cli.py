@@ -312,3 +312,13 @@ def test_train_ends_its_persistent_loader_workers_before_returning(tmp_path, mon
     # The training and the evaluation loader: each stopped when fit() returned, its workers alive
     # until then, and not left for the garbage collector's __del__.
     assert seen == [([True, True], "stop_workers")] * 2
+
+
+def test_algorithms_given_twice_both_count():
+    """argparse keeps only the last value of a repeated option: the first list was
+    dropped without a word."""
+    from slipstream.cli.main import _parser
+
+    args = _parser().parse_args(["train", "--algorithms", "no:stepwise_lr,ema", "-a", "mixup", "--callbacks", "x"])
+    assert args.algorithms == "no:stepwise_lr,ema,mixup" and args.callbacks == "x"
+    assert _parser().parse_args(["train"]).algorithms is None

@@ -84,13 +84,15 @@ def _parser() -> argparse.ArgumentParser:
         "--algorithms",
         "-a",
         default=None,
-        help="comma-separated algorithms to add; 'no:NAME' removes one",
+        action=_Joined,
+        help="comma-separated algorithms to add; 'no:NAME' removes one (given twice, both count)",
     )
     train.add_argument(
         "--callbacks",
         default=None,
+        action=_Joined,
         help="comma-separated callbacks to add (loggers, profiler, early stopping); "
-        "'no:NAME' removes one",
+        "'no:NAME' removes one (given twice, both count)",
     )
     train.add_argument(
         "--quiet", "-q", action="store_true", help="no progress bar or summary table"
@@ -296,6 +298,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if message is None:
                 raise  # a bug: its traceback is what a report needs
             return _fail(message)
+
+
+class _Joined(argparse.Action):
+    """A comma-separated list option given more than once: the lists join (argparse
+    would keep only the last, dropping the others without a word)."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option: Any = None) -> None:
+        before = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, f"{before},{values}" if before else values)
 
 
 def user_error_message(exc: BaseException) -> str | None:
