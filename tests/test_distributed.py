@@ -72,14 +72,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
+def _torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     # A free port may be taken again before torchrun listens on it (by a test on
     # another pytest-xdist worker): then try another port.
     for _ in range(3):
         result = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
              "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *args],
-            capture_output=True, text=True, timeout=300,
+            capture_output=True, text=True, timeout=timeout,
         )
         if result.returncode == 0 or "EADDRINUSE" not in result.stderr:
             return result
@@ -299,3 +299,61 @@ def test_a_plain_dataloader_under_several_processes_is_named(tmp_path, monkeypat
         assert isinstance(sharded.sampler, EpochSampler)
         build(sharded, 2)
     assert not [w for w in told if "whole dataset" in str(w.message)]
+
+
+# Rank 1's clock runs 1.5 s ahead of rank 0's from the start, as a slow start or a
+# loaded machine can make it: on its own clock it would evaluate and stop batches
+# before rank 0, which would then wait for it in DDP's all-reduce for ever.
+SKEWED_CLOCKS = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import timm, torch
+    from slipstream import Algorithm, Trainer, hookimpl
+    from slipstream.data import build_datasets, build_loader
+
+    out = sys.argv[1]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    train, val, classes = build_datasets("synthetic", image_size=16, train_size=64, val_size=16)
+    loader = build_loader(train, batch_size=4, seed=0, rank=rank, world_size=world)
+    evals = build_loader(val, batch_size=4, seed=0, rank=rank, world_size=world, shuffle=False)
+    torch.manual_seed(0)
+    model = timm.create_model("test_resnet", num_classes=classes)
+
+    class Skew(Algorithm):
+        name = "skew"
+        evaluated_at = []
+
+        @hookimpl
+        def fit_start(self, state):
+            if rank == 1:
+                state._clock_start -= 1.5
+
+        @hookimpl
+        def batch_start(self, state):
+            time.sleep(0.05)
+
+        @hookimpl
+        def eval_start(self, state):
+            self.evaluated_at.append(state.timestamp.batch)
+
+    trainer = Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_data=loader,
+                      eval_data=evals, max_duration="3s", eval_interval="0.25dur", algorithms=[Skew()],
+                      run_dir=os.path.join(out, "run"), checkpoint_interval=None, progress_bar=False, verbose=False)
+    trainer.fit()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"batches": trainer.state.timestamp.batch, "evaluated_at": Skew.evaluated_at}, f)
+    """
+)
+
+
+def test_ranks_whose_clocks_differ_end_and_evaluate_a_wall_clock_run_together(tmp_path):
+    script = tmp_path / "skewed.py"
+    script.write_text(SKEWED_CLOCKS)
+    try:
+        result = _torchrun(str(script), str(tmp_path), timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the ranks of a wall-clock run hung: they decided by their own clocks")
+    assert result.returncode == 0, result.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1 and r0["batches"] > 0 and r0["evaluated_at"]

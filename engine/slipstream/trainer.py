@@ -197,6 +197,7 @@ class Trainer:
         self.paths = choose_run_dir(o.run_dir, overwrite=overwrite, load_path=self._resume_path)
         self.run_dir = self.paths.root
         self.summary: dict[str, Any] = {}
+        self._share_clock: Callable[[State], None] | None = None  # set in fit() (_shared_clock)
 
         if eval_data is None and rank == 0:  # (the CLI always has eval data and says its own)
             evaluated = [f"target_accuracy={o.target_accuracy} is never reached"] if o.target_accuracy else []
@@ -552,6 +553,7 @@ class Trainer:
                 self.summary = self._finished_summary()
                 return self.summary
             self._wrap_distributed()
+            self._share_clock = self._shared_clock()
             self._bind_hooks()
             if state.rank == 0:
                 prepare_run_dir(
@@ -711,6 +713,8 @@ class Trainer:
         ts.batch_in_epoch += 1
         ts.samples += samples
         state.tick()
+        if self._share_clock is not None:
+            self._share_clock(state)
         if h.batch_end:
             h.batch_end(state=state)
 
@@ -738,6 +742,37 @@ class Trainer:
         for _ in range(skip):  # resume mid-epoch on a loader that cannot start late
             next(iterator, None)
         return iterator
+
+    def _shared_clock(self) -> Callable[[State], None] | None:
+        """Across processes, a run that the wall clock ends (or evaluates, or checkpoints)
+        must decide by one clock: each rank's own would let one rank stop or evaluate a
+        batch before another, which then waits for it in a collective for ever. Each batch
+        the ranks agree on the latest of their clocks (one all-reduce of a number; only
+        for such runs)."""
+        state = self.state
+        if state.world_size <= 1 or not self._wall_clock_decides():
+            return None
+        import torch.distributed as dist
+
+        device = state.device if state.device.type == "cuda" else torch.device("cpu")
+
+        def share(state: State) -> None:
+            clock = torch.tensor([state.timestamp.elapsed_s], dtype=torch.float64, device=device)
+            dist.all_reduce(clock, op=dist.ReduceOp.MAX)
+            state.timestamp.elapsed_s = float(clock.item())
+
+        return share
+
+    def _wall_clock_decides(self) -> bool:
+        if self.state.max_duration.unit == "s":
+            return True  # "dur" intervals and schedules then follow the clock too
+        for value in (self.options.eval_interval, self.options.checkpoint_interval):
+            try:
+                if value is not None and Duration.parse(value).unit == "s":
+                    return True
+            except (ValueError, TypeError):
+                continue
+        return False
 
     def _wrap_distributed(self) -> None:
         # DDP by default; a parallelism plugin may distribute the model itself.
