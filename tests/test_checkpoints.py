@@ -390,3 +390,20 @@ def test_a_changed_plugin_option_is_named_with_its_values_not_as_the_plugin_on_a
     assert "algorithms.ema on -> off" in resumed_with_changes(
         Path("latest.pt"), saved, {"algorithms": {"mixup": {"alpha": 0.2}}}, ["algorithms.ema"]
     )
+
+
+def test_a_resume_on_more_processes_with_the_same_global_batch_says_so():
+    """1 process of 32 written, 2 of 16 resuming: the global batch is 32 on both sides
+    (it used to be told as 16 before, from this run's per-process batch)."""
+    from types import SimpleNamespace
+
+    from slipstream.run.checkpoint import world_size_changed
+    from slipstream.state import Timestamp
+
+    state = SimpleNamespace(world_size=2, global_batch_size=32, timestamp=Timestamp())
+    same = world_size_changed(Path("latest.pt"), 1, state, saved_batch=32)
+    assert "a step still averages 32 samples, now 16 from each process" in same
+    halved = world_size_changed(Path("latest.pt"), 1, state, saved_batch=64)
+    assert "a step now averages 32 samples instead of 64" in halved
+    unknown = world_size_changed(Path("latest.pt"), 1, state)  # no config: this run's per-process batch
+    assert "a step now averages 32 samples instead of 16" in unknown

@@ -519,7 +519,8 @@ def restore_checkpoint(
     set_rng_state(payload["rng"])
     saved_world = payload.get("world_size")
     if isinstance(saved_world, int) and saved_world != state.world_size and state.rank == 0:
-        warnings.warn(world_size_changed(path, saved_world, state), stacklevel=2)
+        saved_batch = ((payload.get("config") or {}).get("data") or {}).get("batch_size")
+        warnings.warn(world_size_changed(path, saved_world, state, saved_batch), stacklevel=2)
     if verbose:
         ts = state.timestamp
         print(
@@ -528,17 +529,21 @@ def restore_checkpoint(
         )
 
 
-def world_size_changed(path: Path, saved: int, state: State) -> str:
+def world_size_changed(path: Path, saved: int, state: State, saved_batch: Any = None) -> str:
     """What a resume on another number of processes changes: allowed (a preempted job
-    may come back on other nodes), but not the run the checkpoint's would have been."""
+    may come back on other nodes), but not the run the checkpoint's would have been.
+    ``saved_batch``: the per-process batch of the run that wrote it (its config's), when
+    known; else it is taken to be this run's."""
     ts = state.timestamp
     now = state.world_size
     per_rank = state.global_batch_size // now if state.global_batch_size else None
-    batch = (
-        f"a step now averages {now * per_rank} samples instead of {saved * per_rank}"
-        if per_rank
-        else f"a step now averages {now} processes' batches instead of {saved}"
-    )
+    before = saved * (saved_batch if isinstance(saved_batch, int) and saved_batch > 0 else per_rank or 0)
+    if per_rank and before == now * per_rank:
+        batch = f"a step still averages {before} samples, now {per_rank} from each process"
+    elif per_rank and before:
+        batch = f"a step now averages {now * per_rank} samples instead of {before}"
+    else:
+        batch = f"a step now averages {now} processes' batches instead of {saved}"
     rest = (
         f", and the rest of epoch {ts.epoch} comes from another split of its samples, so some "
         "are seen twice in it and others not at all"
