@@ -329,6 +329,8 @@ def test_a_resumed_runs_throughput_counts_its_own_session(tmp_path, monkeypatch)
     )
     assert resumed.summary["wall_time_s"] == pytest.approx(9.0)  # the run's clock goes on
     assert resumed.summary["samples_per_s"] == pytest.approx(8.0)
+    # The rate is this session's, and the summary says from which step it counts.
+    assert resumed.summary["session_from_step"] == 3 and "session_from_step" not in first.summary
 
 
 class OwnsModelState(Algorithm):

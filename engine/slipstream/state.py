@@ -118,6 +118,8 @@ class State:
     _clock_start: float = field(default_factory=time.perf_counter, repr=False)
     _elapsed_before: float = field(default=0.0, repr=False)
     _samples_before: int = field(default=0, repr=False)
+    # The step this session started at (a resumed run's checkpoint step; else 0).
+    session_start_batch: int = 0
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -141,6 +143,7 @@ class State:
         continues its elapsed time and samples)."""
         self._elapsed_before = self.timestamp.elapsed_s
         self._samples_before = self.timestamp.samples
+        self.session_start_batch = self.timestamp.batch
         self._clock_start = time.perf_counter()
 
     @property

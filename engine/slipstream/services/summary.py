@@ -90,6 +90,9 @@ class SummaryWriter:
             "threads": torch.get_num_threads(),
             "run_dir": str(state.run_dir),
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            # After a resume the rates (samples_per_s, mfu, eval_time_s) are this
+            # session's, which may have run on other hardware; the counts are the run's.
+            **({"session_from_step": state.session_start_batch} if state.session_start_batch else {}),
             **state.summary,
         }
 
