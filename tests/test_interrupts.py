@@ -112,6 +112,23 @@ def test_a_signal_ends_the_run_after_the_batch_with_a_checkpoint(cli, tmp_path, 
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
 
+def test_a_signal_to_the_launcher_of_several_processes_exits_as_one_process_does(cli, tmp_path):
+    """SIGTERM to `slipstream train --nproc-per-node 2` (what a scheduler sends): the
+    workers stop with a checkpoint and the launcher exits 143, not 1 with the elastic
+    agent's traceback, so a requeue script can tell a preemption from a failure."""
+    run_dir = tmp_path / "run"
+    proc = cli(run_dir, "trainer.max_duration=100000ba", "--nproc-per-node", "2")
+    wait_for(logged_some(run_dir), proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    proc.stderr_file.seek(0)
+    err = proc.stderr_file.read()
+    assert "Traceback" not in err and "SignalException" not in err, err[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["world_size"] == 2
+    assert load_checkpoint(run_dir / "checkpoints" / "latest.pt")["timestamp"]["batch"] == summary["batches"]
+
+
 def test_a_second_signal_aborts_at_once(cli, tmp_path):
     run_dir = tmp_path / "run"
     # The batch that receives the first signal would take a minute to finish. No

@@ -73,6 +73,7 @@ def launch(options: LaunchOptions, train_args: Sequence[str]) -> int:
     """Run ``slipstream train *train_args`` in ``options.nproc_per_node`` processes on
     this node; returns the exit code (the first failed worker's, 0 when all succeed).
     A worker's error is printed by the worker itself (rank 0), so nothing is added."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -88,6 +89,11 @@ def launch(options: LaunchOptions, train_args: Sequence[str]) -> int:
     except ChildFailedError as exc:
         _, failure = exc.get_first_failure()
         return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException as exc:
+        # SIGINT or SIGTERM to the launcher: the agent has passed it on and the workers
+        # have stopped with their checkpoint. The shell's code for the signal (130, 143),
+        # as one process exits with, so a requeue script can tell; not the agent's traceback.
+        return 128 + int(exc.sigval)
     return 0
 
 
