@@ -181,3 +181,22 @@ def test_a_trial_that_would_be_pruned_at_its_last_evaluation_has_finished(tmp_pa
     result = sweep(recipe, 3, LR, "trainer.max_duration=1ep", metric="loss", enqueue=enqueue)
     assert [t.state.name for t in result.study.trials] == ["COMPLETE", "COMPLETE", "COMPLETE"]
     assert result.study.trials[2].value is not None
+
+
+def test_the_pruner_compares_trials_after_the_same_number_of_samples():
+    """Reported at the samples seen, not the batch: with data.batch_size swept, a trial
+    of batch 16 and one of batch 32 meet at the same step after the same data."""
+    from types import SimpleNamespace
+
+    from slipstream.cli.sweep import PruningHook
+    from slipstream.duration import Duration
+
+    reported = []
+    trial = SimpleNamespace(report=lambda value, step: reported.append(step), should_prune=lambda: False)
+    hook = PruningHook(trial, "accuracy")
+    for batch, size in ((16, 16), (8, 32)):  # one epoch of 256 samples at two batch sizes
+        ts = SimpleNamespace(batch=batch, samples=batch * size)
+        state = SimpleNamespace(eval_metrics={"accuracy": 0.5}, timestamp=ts, max_duration=Duration.parse("4ep"),
+                                time_in=lambda unit: 1.0)
+        hook.eval_end(state)
+    assert reported == [256, 256]

@@ -157,7 +157,10 @@ class PruningHook:
             return
         self.last = float(value)
         step = state.timestamp.batch
-        self.trial.report(self.last, step=step)
+        # Keyed by samples seen, not batches: the pruner compares trials at one step,
+        # and a sweep over data.batch_size would otherwise compare a trial's second
+        # epoch with another's fourth.
+        self.trial.report(self.last, step=state.timestamp.samples)
         # At the run's last evaluation the trial has finished: it completes, with
         # its value, and can be the best; pruning it would save nothing.
         finished = state.time_in(state.max_duration.unit) >= state.max_duration.value
