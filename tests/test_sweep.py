@@ -93,7 +93,7 @@ def test_a_trial_worse_than_the_median_is_pruned_at_its_first_evaluation(tmp_pat
     result = sweep(recipe, 3, LR, metric="loss", enqueue=enqueue)
     trials = result.study.trials
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "PRUNED"]
-    assert list(trials[2].intermediate_values) == [4]  # reported at batch 4, stopped there
+    assert list(trials[2].intermediate_values) == [64]  # reported after 64 samples (batch 4), stopped there
     summary = json.loads((tmp_path / "sweep" / "trial-002" / "summary.json").read_text())
     assert summary["status"] == "stopped_early" and "pruned" in summary["stop_reason"]
     assert summary["batches"] == 4
