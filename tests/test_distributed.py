@@ -338,7 +338,7 @@ SKEWED_CLOCKS = textwrap.dedent(
             self.evaluated_at.append(state.timestamp.batch)
 
     trainer = Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_data=loader,
-                      eval_data=evals, max_duration="3s", eval_interval="0.25dur", algorithms=[Skew()],
+                      eval_data=evals, max_duration="3s", eval_interval="0.25dur", algorithms=[Skew()], log_interval=1,
                       run_dir=os.path.join(out, "run"), checkpoint_interval=None, progress_bar=False, verbose=False)
     trainer.fit()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

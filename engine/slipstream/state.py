@@ -120,6 +120,8 @@ class State:
     _samples_before: int = field(default=0, repr=False)
     # The step this session started at (a resumed run's checkpoint step; else 0).
     session_start_batch: int = 0
+    # Set by the trainer while processes share one clock (see tick).
+    shared_clock: bool = False
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -158,9 +160,15 @@ class State:
         return self.timestamp.samples - self._samples_before
 
     def tick(self) -> float:
-        """Refresh and return ``timestamp.elapsed_s`` (host clock: no device sync)."""
-        self.timestamp.elapsed_s = self._elapsed_before + time.perf_counter() - self._clock_start
-        return self.timestamp.elapsed_s
+        """Refresh and return ``timestamp.elapsed_s`` (host clock: no device sync).
+
+        With ``shared_clock`` (several processes whose run the wall clock decides), only
+        the return value is this process's time: ``timestamp.elapsed_s``, by which the
+        run decides, is set once a batch to the time all processes agreed on."""
+        now = self._elapsed_before + time.perf_counter() - self._clock_start
+        if not self.shared_clock:
+            self.timestamp.elapsed_s = now
+        return now
 
     @contextmanager
     def untimed(self) -> Iterator[None]:

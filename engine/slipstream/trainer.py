@@ -570,6 +570,7 @@ class Trainer:
             state.start_clock()
             self._hooks.fit_start(state=state)
             self._loop()
+            state.shared_clock = False
             state.tick()
             if state.stop_status == "interrupted":
                 signal_name = state.summary.get("interrupted_by", "a signal")
@@ -578,6 +579,7 @@ class Trainer:
             self.divergence.finish(state)
             self._hooks.fit_end(state=state)
         except BaseException as error:
+            state.shared_clock = False
             state.tick()
             pm.hook.exception(state=state, error=error)
             raise
@@ -757,10 +759,13 @@ class Trainer:
         device = state.device if state.device.type == "cuda" else torch.device("cpu")
 
         def share(state: State) -> None:
-            clock = torch.tensor([state.timestamp.elapsed_s], dtype=torch.float64, device=device)
+            clock = torch.tensor([state.tick()], dtype=torch.float64, device=device)
             dist.all_reduce(clock, op=dist.ReduceOp.MAX)
             state.timestamp.elapsed_s = float(clock.item())
 
+        # From here until the loop ends, the run decides by the agreed time only (the
+        # metrics log's and progress bar's own ticks must not move it on one rank).
+        state.shared_clock = True
         return share
 
     def _wall_clock_decides(self) -> bool:
