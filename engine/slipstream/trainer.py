@@ -534,9 +534,9 @@ class Trainer:
                         warnings.warn(resumed_with_changes(self.load_path, saved, self.config, changed), stacklevel=2)
                     keep_saved_optimizer_settings(self.config, saved, changed)
                 # The records before the checkpoint are in the log of the run that wrote it.
-                written_in = self.load_path.parent.parent if self.load_path.parent.name == "checkpoints" else None
+                written_in = self._written_in()
                 if written_in is not None:
-                    resume_summary(state, RunDir(written_in).metrics, self.target)
+                    resume_summary(state, written_in.metrics, self.target)
             if state.is_done():  # resumed at its end (a requeued job that had finished), or fit() again
                 ts = state.timestamp
                 where = self.load_path if self.load_path is not None and ts.batch else "this Trainer"
@@ -600,15 +600,18 @@ class Trainer:
         checkpoint."""
         if self.summary_writer.summary:
             return self.summary_writer.summary
-        places = [self.run_dir]
-        if self.load_path is not None and self.load_path.parent.name == "checkpoints":
-            places.append(self.load_path.parent.parent)
-        for place in places:
+        for place in filter(None, (self.paths, self._written_in())):
             try:
-                return json.loads((place / "summary.json").read_text())
+                return json.loads(place.summary.read_text())
             except (OSError, ValueError):
                 continue
         return {"status": "completed", "batches": self.state.timestamp.batch}
+
+    def _written_in(self) -> RunDir | None:
+        """The run directory of the checkpoint this run loads, when it lies in one."""
+        if self.load_path is None or self.load_path.parent.name != "checkpoints":
+            return None
+        return RunDir(self.load_path.parent.parent)
 
     def _choose_variants(self, payload: dict[str, Any] | None) -> None:
         """Measured ``auto`` (`slipstream.plugins.variants`): each algorithm that declares

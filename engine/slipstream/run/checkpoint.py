@@ -417,7 +417,7 @@ def resumed_with_changes(
     def value(flat: dict[str, Any], key: str) -> str:
         if key in flat:
             return "on" if flat[key] == {} else repr(flat[key])  # an enabled plugin with default options
-        if any(k.startswith(key + ".") for k in flat):
+        if _enabled(flat, key):
             return "on"
         return "its default" if key.count(".") >= 2 else "off"  # an option of an enabled plugin, or none
 

@@ -50,7 +50,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest.pt"
 BEST = "best.pt"
 
-_INTERVAL_CHECKPOINT = re.compile(r"ep\d+-ba\d+\.pt")
+_INTERVAL_CHECKPOINT = re.compile(r"ep\d+-ba(\d+)\.pt")  # the step captured
 _SHARDS = re.compile(r"ep\d+-ba\d+\.dcp")
 # Shard folders of save_shards on their way in or out (a crash may leave one).
 _SHARDS_TEMPORARY = re.compile(r"\.ep\d+-ba\d+\.dcp\.(partial|old)")
@@ -117,6 +117,15 @@ class RunDir:
         return sorted(
             p for p in self.checkpoints.iterdir() if p.is_dir() and _SHARDS.fullmatch(p.name)
         )
+
+    def interval_checkpoints(self) -> list[tuple[int, Path]]:
+        """The interval checkpoint files that exist, as (step, path), oldest first."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = (
+            (match, p) for p in self.checkpoints.iterdir() if (match := _INTERVAL_CHECKPOINT.fullmatch(p.name))
+        )
+        return sorted((int(match.group(1)), p) for match, p in found if p.is_file())
 
     def checkpoint_files(self) -> list[Path]:
         """The checkpoints of the contract that exist (latest, best, interval ones)."""

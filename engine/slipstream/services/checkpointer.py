@@ -18,7 +18,6 @@ sharded checkpoints (its shards would need a folder of their own): a warning say
 from __future__ import annotations
 
 import math
-import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -43,9 +42,6 @@ from slipstream.run.checkpoint import (
 )
 from slipstream.run.directory import RunDir
 from slipstream.state import State
-
-# An interval checkpoint's file name (run.directory.checkpoint_name), its step captured.
-_INTERVAL_NAME = re.compile(r"ep\d+-ba(\d+)\.pt")
 
 
 # The metrics best.pt may monitor, and whether higher is better.
@@ -81,7 +77,7 @@ class Checkpointer:
             # A resumed run counts the interval checkpoints the run before it left
             # (up to its step) against checkpoint_keep: each requeue would otherwise
             # leave up to `keep` more behind.
-            self._written = [path for step, path in self._interval_checkpoints() if step <= state.timestamp.batch]
+            self._written = [path for step, path in self.paths.interval_checkpoints() if step <= state.timestamp.batch]
         if state.timestamp.batch > 0 and self.paths.best.is_file():
             # A resumed run: the best so far is the one best.pt holds.
             try:
@@ -189,15 +185,6 @@ class Checkpointer:
             old.unlink(missing_ok=True)
             shutil.rmtree(self.paths.shards_of(old), ignore_errors=True)
         return path
-
-    def _interval_checkpoints(self) -> list[tuple[int, Path]]:
-        """The interval checkpoints in the run directory, as (step, path), oldest first."""
-        found = []
-        for path in self.paths.checkpoints.glob("ep*-ba*.pt"):
-            match = _INTERVAL_NAME.fullmatch(path.name)
-            if match:
-                found.append((int(match.group(1)), path))
-        return sorted(found)
 
     def _save_shards(
         self, state: State, payload: dict[str, Any], sharded: list[str]
