@@ -13,6 +13,9 @@ from torch import nn
 
 from slipstream.duration import Duration
 
+# The statuses a plugin may end a run with (``failed`` is the engine's, for an error).
+STOP_STATUSES = ("completed", "target_reached", "stopped_early", "interrupted", "diverged")
+
 
 @dataclass
 class Timestamp:
@@ -246,6 +249,11 @@ class State:
         """End the run after the current batch with ``status`` in summary.json and
         ``reason`` told to the user (a plain ``stop_requested = True`` ends it as
         "completed")."""
+        if status not in STOP_STATUSES:
+            raise ValueError(
+                f"request_stop: status {status!r} is not one a run can end with; use one of "
+                f"{', '.join(STOP_STATUSES)} (docs/run-directory.md, 'How a run ends')"
+            )
         self.stop_requested = True
         self.stop_status = status
         self.stop_reason = reason

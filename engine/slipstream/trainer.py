@@ -80,7 +80,7 @@ from slipstream.services import (
     TargetAccuracy,
     Utilization,
 )
-from slipstream.services.batches import batch_mover
+from slipstream.services.batches import batch_mover, check_pair
 from slipstream.services.divergence import DivergenceMonitor
 from slipstream.services.evaluation import EVALUATION_OFF
 from slipstream.services.losses import TrainLosses
@@ -148,7 +148,8 @@ class Trainer:
         options: TrainerOptions | None = None,
         **settings: Any,
     ) -> None:
-        _check_arguments(model, optimizer, train_data, eval_data)
+        _check_arguments(model, optimizer, train_data, eval_data, loss_fn)
+        schedulers = _checked_schedulers(schedulers, optimizer)
         # The run-level settings are TrainerOptions' fields, given as keywords or (the
         # CLI) as options it has already validated and applied; max_duration=None
         # keeps the default.
@@ -199,12 +200,14 @@ class Trainer:
         self.summary: dict[str, Any] = {}
         self._share_clock: Callable[[State], None] | None = None  # set in fit() (_shared_clock)
 
-        if eval_data is None and rank == 0:  # (the CLI always has eval data and says its own)
+        # (The CLI's config says its own, before any Trainer is made.)
+        if (eval_data is None or (o.eval_interval is None and config is None)) and rank == 0:
+            why = "no eval_data" if eval_data is None else "eval_interval=None"
             evaluated = [f"target_accuracy={o.target_accuracy} is never reached"] if o.target_accuracy else []
             if any(c.name == "early_stopping" for c in self.callbacks):
                 evaluated.append("the early_stopping callback never stops the run")
             for what in evaluated:
-                warnings.warn(f"slipstream: {what}: no eval_data, so no evaluation", ConfigWarning, stacklevel=2)
+                warnings.warn(f"slipstream: {what}: {why}, so no evaluation", ConfigWarning, stacklevel=2)
         unoptimized = check_optimizer_holds(model, optimizer)
         if unoptimized and rank == 0:
             warnings.warn(unoptimized, stacklevel=2)
@@ -251,6 +254,8 @@ class Trainer:
             callbacks=list(self.callbacks),
         )
         self.state.batches_per_epoch = _batches_per_epoch(train_data)
+        if self.state.batches_per_epoch is None:
+            _check_unknown_epoch_length(self.max_duration, o, warn=rank == 0)
         batch_size = getattr(train_data, "batch_size", None)
         self.state.global_batch_size = batch_size * world_size if batch_size else None
 
@@ -321,6 +326,8 @@ class Trainer:
     def _as_plugins(self, items: Sequence[Any], group: str) -> list[Any]:
         """Instances as given; names built with their default config."""
         base, noun = GROUPS[group]
+        if items is None:
+            return []
         if isinstance(items, str):  # "ema" or "ema,mixup", as on the command line
             items = [name.strip() for name in items.split(",") if name.strip()]
         built = []
@@ -544,7 +551,8 @@ class Trainer:
                     warnings.warn(
                         f"slipstream: {where} is at step {ts.batch} (epoch {ts.epoch}), already at "
                         f"trainer.max_duration={state.max_duration}: nothing is left to train, and the "
-                        "run directory is left as it is; raise trainer.max_duration to train on",
+                        "run directory is left as it is; to train on, raise trainer.max_duration (in Python: "
+                        "a new Trainer with a larger max_duration and load_path=<its checkpoint>)",
                         stacklevel=2,
                     )
                 # Nothing runs and nothing is written: another final evaluation and a
@@ -656,6 +664,7 @@ class Trainer:
 
     def _run_epoch(self) -> None:
         state, h, ts = self.state, self._hooks, self.state.timestamp
+        self.metrics_log.lr_used = None  # an epoch scheduler's step is now the LR in use
         h.epoch_start(state=state)
         seen_any = False
         for batch in self._epoch_batches():
@@ -676,17 +685,15 @@ class Trainer:
         if not state.is_done() or epoch_complete:
             ts.epoch += 1
             ts.batch_in_epoch = 0
-            for scheduler in self._epoch_schedulers:
-                scheduler.step()
+            self._step_schedulers(self._epoch_schedulers)
             h.epoch_end(state=state)
 
     def _train_batch(self, batch: Any) -> None:
         state, h, ts = self.state, self._hooks, self.state.timestamp
-        state.batch = self._to_device(batch)
-        try:
-            inputs = state.batch[0]
-        except (KeyError, IndexError, TypeError):
-            raise ConfigError(_not_a_pair(state.batch)) from None
+        batch = state.batch = self._to_device(batch)
+        if type(batch) is not tuple or len(batch) < 2:  # the mover makes a DataLoader's list a tuple
+            check_pair(batch, "training")
+        inputs = batch[0]
         samples = (inputs.shape[0] if isinstance(inputs, torch.Tensor) else len(inputs)) * state.world_size
         if h.batch_start:
             h.batch_start(state=state)
@@ -710,8 +717,8 @@ class Trainer:
             state.step_skipped = h.optimizer_step(state=state) is False
             state.optimizer.zero_grad(set_to_none=True)
             ts.optimizer_steps += 1
-            for scheduler in self._batch_schedulers:
-                scheduler.step()
+            if self._batch_schedulers:
+                self._step_schedulers(self._batch_schedulers)
             if h.after_optimizer_step:
                 h.after_optimizer_step(state=state)
         ts.batch += 1
@@ -722,6 +729,14 @@ class Trainer:
             self._share_clock(state)
         if h.batch_end:
             h.batch_end(state=state)
+
+    def _step_schedulers(self, schedulers: list[Any]) -> None:
+        # Stepped before any hook sees them (a checkpoint saves their state), but the
+        # records until the next step log the LR the last one trained with.
+        if schedulers:
+            self.metrics_log.lr_used = self.state.optimizer.param_groups[0]["lr"]
+        for scheduler in schedulers:
+            scheduler.step()
 
     def _epoch_batches(self) -> Iterable[Any]:
         loader, ts = self.state.train_loader, self.state.timestamp
@@ -807,7 +822,7 @@ SCHEDULER_INTERVALS = ("epoch", "batch")
 WHOLE_DATASET_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)
 
 
-def _check_arguments(model: Any, optimizer: Any, train_data: Any, eval_data: Any) -> None:
+def _check_arguments(model: Any, optimizer: Any, train_data: Any, eval_data: Any, loss_fn: Any) -> None:
     """The Trainer's objects are what it takes, or one line says what was given: each
     would otherwise fail later, deep in torch, with a message about something else."""
     if not isinstance(model, nn.Module):
@@ -819,6 +834,11 @@ def _check_arguments(model: Any, optimizer: Any, train_data: Any, eval_data: Any
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"Trainer: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigError(
+            f"Trainer: loss_fn must be callable as loss_fn(outputs, targets), got {type(loss_fn).__name__} "
+            f"{loss_fn!r}; e.g. torch.nn.CrossEntropyLoss(label_smoothing=0.1), or leave it out for cross-entropy"
+        )
     for name, data in (("train_data", train_data), ("eval_data", eval_data)):
         if data is None and name == "eval_data":
             continue
@@ -832,6 +852,67 @@ def _check_arguments(model: Any, optimizer: Any, train_data: Any, eval_data: Any
                 f"Trainer: {name} must be an iterable of (inputs, targets) batches, such as a "
                 f"DataLoader; got {type(data).__name__}"
             )
+
+
+def _check_unknown_epoch_length(max_duration: Duration, options: TrainerOptions, warn: bool) -> None:
+    """Without the number of batches in an epoch (train_data has no len()), a time inside
+    an epoch cannot be placed: the run's time in epochs moves only at epoch ends."""
+    if max_duration.unit == "ep" and not float(max_duration.value).is_integer():
+        raise ConfigError(
+            f"max_duration={max_duration}: train_data has no len(), so the run cannot tell where "
+            f"{max_duration.value:g} epochs end and would train on to the next whole epoch; give "
+            "max_duration in whole epochs or in batches (e.g. 500ba)"
+        )
+    for key in ("eval_interval", "checkpoint_interval"):
+        value = getattr(options, key)
+        try:
+            every = Duration.parse(value) if value is not None else None
+        except (ValueError, TypeError):
+            continue
+        if every is None:
+            continue
+        epochs = every.value if every.unit == "ep" else None
+        if every.unit == "dur" and max_duration.unit == "ep":
+            epochs = every.value * max_duration.value
+        if epochs is not None and not float(epochs).is_integer() and warn:
+            warnings.warn(
+                f"slipstream: {key}={value} falls inside an epoch, and train_data has no len(), so the "
+                "run cannot tell where: it acts at the first batch_end or epoch_end past the mark instead; "
+                "give it in batches (e.g. 100ba) or in whole epochs",
+                ConfigWarning,
+                stacklevel=3,
+            )
+
+
+def _checked_schedulers(schedulers: Any, optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The LR schedulers as a list (one scheduler alone is taken as it is), each on the
+    Trainer's optimizer: a scheduler of another optimizer would move nothing the run
+    trains with, and the run would end "completed" at its first LR."""
+    if schedulers is None:
+        return []
+    if isinstance(schedulers, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+        schedulers = [schedulers]
+    if not isinstance(schedulers, Iterable) or isinstance(schedulers, (str, bytes)):
+        raise ConfigError(
+            f"Trainer: schedulers must be a list of torch LR schedulers, got {type(schedulers).__name__}"
+        )
+    schedulers = list(schedulers)
+    for scheduler in schedulers:
+        kind = type(scheduler).__name__
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ConfigError(
+                "Trainer: ReduceLROnPlateau steps on a metric, and the loop steps schedulers without one; "
+                "use a schedule of time (StepLR, CosineAnnealingLR, OneCycleLR, ...), or step it in your own "
+                "algorithm's eval_end hook with state.eval_metrics['loss'] (docs/plugins.md)"
+            )
+        if not callable(getattr(scheduler, "step", None)):
+            raise ConfigError(f"Trainer: schedulers holds a {kind}, which is no LR scheduler (it has no step())")
+        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise ConfigError(
+                f"Trainer: the {kind} in schedulers was built on another optimizer than the Trainer's, so it "
+                "would change nothing the run trains with; build it on the optimizer you pass as optimizer="
+            )
+    return schedulers
 
 
 def _checked_step(function: Callable[..., Any], plugin: str, step: str) -> Callable[..., Any]:
@@ -850,15 +931,6 @@ def _checked_step(function: Callable[..., Any], plugin: str, step: str) -> Calla
 
     checked._slipstream_checked = True  # type: ignore[attr-defined]
     return checked
-
-
-def _not_a_pair(batch: Any) -> str:
-    what = f"a dict with keys {sorted(map(str, batch))}" if isinstance(batch, dict) else f"a {type(batch).__name__}"
-    return (
-        f"a training batch must be a tuple or list (inputs, targets, ...), as a DataLoader of "
-        f"(input, target) samples yields; got {what}: have the dataset return (input, target), "
-        "or give the DataLoader a collate_fn that makes the pair"
-    )
 
 
 def _checked_wrapper(function: Callable[..., Any], plugin: str, step: str) -> Callable[..., Any]:

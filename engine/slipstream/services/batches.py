@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from slipstream.errors import ConfigError
+
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor on ``device``; lists and tuples become tuples."""
@@ -44,3 +46,24 @@ def batch_mover(device: torch.device) -> Callable[[Any], Any]:
         return to_device(batch, device)
 
     return on_cpu
+
+
+def check_pair(batch: Any, kind: str) -> None:
+    """Refuse a batch that is not ``(inputs, targets, ...)``: indexed as one, a lone
+    tensor would give its first sample as the inputs, and a dict a KeyError."""
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return
+    if isinstance(batch, dict):
+        what = f"a dict with keys {sorted(map(str, batch))}"
+    elif isinstance(batch, (tuple, list)):
+        what = f"a {type(batch).__name__} of {len(batch)}"
+    elif isinstance(batch, torch.Tensor):
+        what = f"one tensor of shape {tuple(batch.shape)}"
+    else:
+        what = f"a {type(batch).__name__}"
+    article = "an" if kind[0] in "aeiou" else "a"
+    raise ConfigError(
+        f"{article} {kind} batch must be a tuple or list (inputs, targets, ...), as a DataLoader of "
+        f"(input, target) samples yields; got {what}: have the dataset return (input, target), "
+        "or give the DataLoader a collate_fn that makes the pair"
+    )

@@ -125,8 +125,7 @@ class DivergenceMonitor:
         except Exception as exc:  # the report must not fail the run it reports on
             found = {
                 "message": f"where it went non-finite was not found ({describe(exc)})",
-                "hint": "lower optimizer.lr, add grad_clipping, or set trainer.on_nonfinite=warn "
-                "to train on",
+                "hint": "lower optimizer.lr or add grad_clipping",
             }
         state.summary["nonfinite_at"] = {k: v for k, v in found.items() if k != "message"}
         message = f"{message}; {found['message']}"
@@ -138,7 +137,7 @@ class DivergenceMonitor:
             state.request_stop(
                 "diverged",
                 f"diverged: {message}; {stopped}, and no checkpoint of the diverged weights was "
-                f"written ({found['hint']})",
+                f"written ({found['hint']}; or set trainer.on_nonfinite=warn to train on)",
             )
         else:
             warnings.warn(

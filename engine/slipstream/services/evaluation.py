@@ -15,7 +15,7 @@ from slipstream.duration import Duration
 from slipstream.errors import ConfigError
 from slipstream.hookspecs import hookimpl
 from slipstream.interval import RunInterval
-from slipstream.services.batches import to_device
+from slipstream.services.batches import check_pair, to_device
 from slipstream.services.steps import not_logits
 from slipstream.state import State
 
@@ -110,6 +110,7 @@ class Evaluator:
             with torch.no_grad():
                 for batch in state.eval_loader:
                     state.batch = to_device(batch, state.device)
+                    check_pair(state.batch, "evaluation")
                     hooks.eval_batch_start(state=state)
                     self.prepare(state)
                     state.outputs = hooks.forward(state=state)
@@ -120,7 +121,8 @@ class Evaluator:
                         fix = "return the logits from forward in eval mode (or a tuple whose first item they are)"
                         raise ConfigError(not_logits(state.outputs, "the evaluation", fix))
                     targets = state.batch[1]
-                    totals[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
+                    totals[0] += eval_loss(state.loss_fn, logits, targets)
+                    targets = class_indices(targets, logits)
                     totals[1] += (logits.argmax(dim=1) == targets).sum()
                     totals[2] += targets.numel()
                     classes = logits.shape[1]
@@ -154,6 +156,36 @@ class Evaluator:
             state.summary.get("eval_time_s", 0.0) + time.perf_counter() - started
         )
         return state.eval_metrics
+
+
+def eval_loss(loss_fn: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed loss of one evaluation batch. With the default ``CrossEntropyLoss``
+    (any options) it is plain cross-entropy, as timm and Composer report it: label
+    smoothing is a training device, not what the model's predictions are worth. A
+    loss function of the user's own is evaluated as it trains (its value taken as the
+    batch's mean), so that ``best_metric=loss`` and ``early_stopping`` rank by it."""
+    if isinstance(loss_fn, torch.nn.CrossEntropyLoss):
+        return F.cross_entropy(logits.float(), targets, reduction="sum")
+    value = loss_fn(logits, targets)
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise ConfigError(
+            f"the evaluation computes loss_fn(logits, targets) and needs one number per batch, got "
+            f"{type(value).__name__}{'' if not isinstance(value, torch.Tensor) else f' of shape {tuple(value.shape)}'}"
+        )
+    return value.detach().double().reshape(()) * len(logits)
+
+
+def class_indices(targets: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Targets as class indices for accuracy: class probabilities (one-hot or soft
+    labels, of the logits' shape) become their most likely class."""
+    if targets.is_floating_point() and targets.shape == logits.shape:
+        return targets.argmax(dim=1)
+    if targets.is_floating_point():
+        raise ConfigError(
+            f"evaluation targets of shape {tuple(targets.shape)} and dtype {targets.dtype} are neither class "
+            f"indices (integers) nor class probabilities of the logits' shape {tuple(logits.shape)}"
+        )
+    return targets
 
 
 def _restore_modes(model: torch.nn.Module, modes: list[tuple[torch.nn.Module, bool]]) -> None:

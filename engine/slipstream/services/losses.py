@@ -12,7 +12,9 @@ from collections.abc import Callable
 
 import torch
 
+from slipstream.errors import ConfigError
 from slipstream.hookspecs import hookimpl
+from slipstream.services.steps import not_a_loss
 from slipstream.state import State
 
 # Losses kept as references before they are stacked into one vector (on the device,
@@ -70,7 +72,10 @@ class TrainLosses:
     @hookimpl
     def after_loss(self, state: State) -> None:
         kept = self._kept
-        kept.append(state.loss.detach())
+        try:
+            kept.append(state.loss.detach())
+        except AttributeError:
+            raise ConfigError(not_a_loss(state.loss) or f"the training loss is {state.loss!r}") from None
         if len(kept) >= FOLD:
             self._stacked.append(stack_losses(kept))
             self._kept = []

@@ -103,6 +103,9 @@ class MetricsLogger:
         self._listened = True
         # The last train and eval record made, for the progress bar and the target.
         self.last: dict[str, dict[str, Any]] = {}
+        # The LR the last step trained with, set by the loop when a scheduler has moved
+        # the optimizer's since (None: the optimizer's own is the one it trained with).
+        self.lr_used: float | None = None
 
     @hookimpl
     def fit_start(self, state: State) -> None:
@@ -151,7 +154,7 @@ class MetricsLogger:
             "epoch": state.timestamp.epoch,
             "elapsed_s": round(now, 4),
             "loss": loss,
-            "lr": _scalar(state.optimizer.param_groups[0]["lr"]),
+            "lr": _scalar(self.lr_used if self.lr_used is not None else state.optimizer.param_groups[0]["lr"]),
             # Of an image batch (N, C, H, W) only: the last two sizes of other inputs
             # (a batch of feature vectors) are not an image's.
             "image_size": list(inputs.shape[-2:]) if isinstance(inputs, torch.Tensor) and inputs.dim() == 4 else None,

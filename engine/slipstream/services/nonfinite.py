@@ -241,4 +241,4 @@ def _hint(
             "float16 overflows above 65504: use bf16 (algorithms.mixed_precision.dtype=bf16) "
             "or lower optimizer.lr"
         )
-    return "lower optimizer.lr, add grad_clipping, or set trainer.on_nonfinite=warn to train on"
+    return "lower optimizer.lr or add grad_clipping"

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from slipstream.errors import ConfigError
 from slipstream.images import to_unit_float
 from slipstream.state import State
 
@@ -62,7 +63,9 @@ class Normalize:
     def inputs(
         self, inputs: torch.Tensor, memory_format: torch.memory_format = torch.preserve_format
     ) -> torch.Tensor:
-        """A 4-D image batch as the model receives it: float32, in ``memory_format``.
+        """A 4-D image batch as the model receives it: float32, in ``memory_format``
+        (float16 and bfloat16 batches without statistics stay as they are: a model
+        converted to that dtype takes them).
 
         One fused pass, ``x * scale + shift``, reads the batch as it is (``uint8``
         or float, any layout) and writes a new float32 tensor in the wanted layout:
@@ -72,13 +75,24 @@ class Normalize:
         integer = not inputs.is_floating_point()
         if integer and inputs.dtype != torch.uint8:
             to_unit_float(inputs)  # raises the error that says what is allowed
-        if self.mean is None and not integer:  # already what the model takes
+        if self.mean is None and not integer:  # already what the model takes, but for float64
+            if inputs.dtype is torch.float64:  # numpy's default dtype; a model's weights are float32
+                inputs = inputs.float()
             if memory_format == torch.preserve_format:
                 return inputs
             return inputs.contiguous(memory_format=memory_format)
         scale, shift = self._device_constants(inputs.device, integer)
         out = torch.empty_like(inputs, dtype=torch.float32, memory_format=memory_format)
-        return torch.addcmul(shift, inputs, scale, out=out)
+        try:
+            return torch.addcmul(shift, inputs, scale, out=out)
+        except RuntimeError:
+            if scale.shape[1] not in (1, inputs.shape[1]):
+                raise ConfigError(
+                    f"normalize: the mean and std have {scale.shape[1]} values, and the images have "
+                    f"{inputs.shape[1]} channels (batch of shape {tuple(inputs.shape)}); give one value "
+                    "per channel"
+                ) from None
+            raise
 
     def _device_constants(
         self, device: torch.device, integer: bool

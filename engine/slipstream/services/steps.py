@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from slipstream.distributed import is_distributed
@@ -50,7 +51,13 @@ class DefaultSteps:
 
     @hookimpl(trylast=True)
     def backward(self, state: State) -> Any:
-        state.loss.backward()
+        try:
+            state.loss.backward()
+        except (RuntimeError, AttributeError):
+            problem = not_a_loss(state.loss)
+            if problem:
+                raise ConfigError(problem) from None
+            raise
         return True
 
     @hookimpl(trylast=True)
@@ -84,6 +91,27 @@ class DefaultSteps:
         state.unwrapped_model.load_state_dict(state_dicts["model"])
         state.optimizer.load_state_dict(state_dicts["optimizer"])
         return True
+
+
+def not_a_loss(loss: Any) -> str | None:
+    """What is wrong with a training loss that cannot be backpropagated (None: nothing
+    this can name)."""
+    if not isinstance(loss, torch.Tensor):
+        return (
+            f"the training loss is a {type(loss).__name__} ({loss!r}), not a tensor: loss_fn must return "
+            "a tensor computed from the model's outputs (no .item() or float())"
+        )
+    if loss.numel() != 1:
+        return (
+            f"the training loss has shape {tuple(loss.shape)}, and training needs one number: a loss_fn "
+            "with reduction='none' must reduce it (e.g. .mean()) before returning it"
+        )
+    if not loss.requires_grad:
+        return (
+            "the training loss does not depend on the model's parameters (it has no grad_fn): loss_fn "
+            "must not detach it, and the model's parameters must require gradients"
+        )
+    return None
 
 
 def not_logits(outputs: Any, needed_by: str, fix: str) -> str:
