@@ -347,24 +347,38 @@ def _tiny_image_folder(root: Path, bad: dict[str, bytes]) -> None:
 
 
 def test_unreadable_images_are_skipped_with_a_warning(tmp_path, capsys, monkeypatch):
-    from slipstream.data import DataError, build_datasets, unreadable
+    from PIL import Image
+
+    from slipstream.data import DataError, build_datasets, decode
 
     _tiny_image_folder(tmp_path, {"0_bad.png": b"not an image", "1_bad.png": b"\x89PNG broken"})
     train_set, _, _ = build_datasets("imagefolder", root=tmp_path, image_size=8)
     paths = [Path(p).name for p, _ in train_set.samples]
-    bad = paths.index("0_bad.png")
-    image, label = train_set[bad]  # replaced by the next readable image...
-    assert paths[bad + 1] == "1.png"
-    assert torch.equal(image, train_set[bad + 1][0]) and label == train_set[bad + 1][1]
-    train_set[paths.index("1_bad.png")]  # the last one: wraps round to the first
+    red = train_set.class_to_idx["red"]
+    bad = [i for i, (p, _) in enumerate(train_set.samples) if "red" in p and "bad" in p]
+    first, last = bad[0], bad[-1]
+    image, label = train_set[first]  # replaced by the next readable image of its class...
+    assert paths[first + 1] == "1.png"
+    assert torch.equal(image, train_set[first + 1][0]) and label == red
+    image, label = train_set[last]  # the class's last item: wraps round to its first, not to the next class
+    red_first = train_set.targets.index(red)  # its 0.png
+    assert label == red and torch.equal(image, train_set[red_first][0])
+    train_set[first]  # read again (a later epoch): named once
     err = capsys.readouterr().err
-    assert "skipping unreadable image" in err and "0_bad.png" in err and "1_bad.png" in err
-    # ...named up to a cap, and a folder with nothing readable is an error.
-    monkeypatch.setattr(unreadable, "MAX_NAMED", 1)
+    assert err.count("skipping unreadable image") == 2 and "0_bad.png" in err and "1_bad.png" in err
+    # ...named up to a cap, and a class with nothing readable is an error.
+    monkeypatch.setattr(decode, "MAX_NAMED", 1)
     train_set.skipped.clear()
-    train_set[bad]
+    train_set[first]
+    train_set[last]
     err = capsys.readouterr().err
     assert err.count("skipping unreadable image") == 1 and "further ones are skipped" in err
-    train_set.samples = [s for s in train_set.samples if "bad" in s[0]]
-    with pytest.raises(DataError, match="none of the 2 images"):
-        train_set[0]
+    green = tmp_path / "train" / "green"
+    green.mkdir()
+    for name in ("0.png", "1.png"):
+        (green / name).write_bytes(b"not an image")
+    (tmp_path / "val" / "green").mkdir()
+    Image.new("RGB", (8, 8), (0, 255, 0)).save(tmp_path / "val" / "green" / "0.png")
+    train_set, _, _ = build_datasets("imagefolder", root=tmp_path, image_size=8)
+    with pytest.raises(DataError, match="none of the 2 images of class 'green'"):
+        train_set[train_set.targets.index(train_set.class_to_idx["green"])]

@@ -224,12 +224,15 @@ def test_an_exported_model_matches_the_eager_one(cli_run, tmp_path, fmt):
         assert not (tmp_path / "model.bin").exists()
     result = export_checkpoint(run, fmt, out, weights="ema")
     assert result["matches"] and result["algorithms"] == ["channels_last", "activation_checkpointing"]
-    # Checked again here, on other inputs, against the eager model with the EMA weights.
+    assert result["any_batch_size"]
+    # Checked again here, on other inputs of other batch sizes than the export's, against
+    # the eager model with the EMA weights.
     eager = rebuild(run, weights="ema").model.float().eval()
     loaded = torch.jit.load(str(out)) if fmt == "torchscript" else torch.export.load(str(out)).module()
-    inputs = torch.randn(3, 3, 16, 16) if fmt == "torchscript" else torch.randn(2, 3, 16, 16)
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(inputs), eager(inputs), atol=1e-5, rtol=1e-4)
+    for batch in (1, 3):
+        inputs = torch.randn(batch, 3, 16, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(inputs), eager(inputs), atol=1e-5, rtol=1e-4)
 
 
 def test_onnx_export_matches_the_eager_one(cli_run, tmp_path, capsys):
@@ -240,6 +243,12 @@ def test_onnx_export_matches_the_eager_one(cli_run, tmp_path, capsys):
     assert main(["export", "-c", str(run), "--format", "onnx", "-o", str(out)]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["matches"] and result["max_abs_diff"] < 1e-4 and out.stat().st_size > 0
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    for batch in (1, 3):  # any batch size, not only the export's
+        (outputs,) = session.run(None, {session.get_inputs()[0].name: torch.randn(batch, 3, 16, 16).numpy()})
+        assert outputs.shape[0] == batch
 
 
 def test_activation_checkpointing_is_undone_for_export():
@@ -318,7 +327,7 @@ def test_own_model_optimizer_and_loss_by_import_path(user_module, tmp_path):
     assert code == 0
     import my_models
 
-    assert my_models.calls["loss"] == 2
+    assert my_models.calls["loss"] == 3  # two training batches, and the final evaluation's one batch
     payload = load_checkpoint(run / "checkpoints" / "latest.pt")
     assert payload["model"]["3.weight"].shape == (10, 4)
     assert payload["optimizer_class"] == "Momentumless"

@@ -195,7 +195,9 @@ class Trainer:
             # Checked before anything is built or written, so the retry starts clean.
             raise CheckpointError(f"trainer.load_path: checkpoint {self.load_path} does not exist")
         self.overwrite = overwrite
-        self.paths = choose_run_dir(o.run_dir, overwrite=overwrite, load_path=self._resume_path)
+        self.paths = choose_run_dir(
+            o.run_dir, overwrite=overwrite, load_path=self._resume_path, weights_from=self.load_path
+        )
         self.run_dir = self.paths.root
         self.summary: dict[str, Any] = {}
         self._share_clock: Callable[[State], None] | None = None  # set in fit() (_shared_clock)
@@ -544,7 +546,10 @@ class Trainer:
                 written_in = self._written_in()
                 if written_in is not None:
                     resume_summary(state, written_in.metrics, self.target)
-            if state.is_done():  # resumed at its end (a requeued job that had finished), or fit() again
+            # Resumed at its end (a requeued job that had finished), or fit() again: nothing
+            # is left, unless a signal stopped the run in its last batch, before its end
+            # (the final evaluation and summary), which then runs now.
+            if state.is_done() and not self._ends_an_interrupted_run():
                 ts = state.timestamp
                 where = self.load_path if self.load_path is not None and ts.batch else "this Trainer"
                 if state.rank == 0:
@@ -601,6 +606,15 @@ class Trainer:
         if self.verbose and state.stop_reason:
             print(f"slipstream: {state.stop_reason}", file=sys.stderr)
         return self.summary
+
+    def _ends_an_interrupted_run(self) -> bool:
+        if self.load_path is None:
+            return False
+        finished = self._finished_summary()
+        if finished.get("status") != "interrupted":
+            return False
+        self.summary_writer.carried = finished
+        return True
 
     def _finished_summary(self) -> dict[str, Any]:
         """The summary of a run already at its end: this Trainer's own after an earlier

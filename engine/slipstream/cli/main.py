@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _COMMANDS[args.command](args)
         except KeyboardInterrupt as exc:
-            print(f"slipstream: {exc or 'interrupted'}", file=sys.stderr)
+            print(f"slipstream: {str(exc) or 'interrupted'}", file=sys.stderr)
             return 128 + getattr(exc, "signum", signal.SIGINT)
         except Exception as exc:
             message = user_error_message(exc)
@@ -580,10 +580,22 @@ def _eval(args: argparse.Namespace) -> int:
     if output is None:
         name = "eval.json" if weights == "model" else f"eval-{weights}.json"
         output = _default_eval_output(checkpoint) / name
-    metrics = evaluate_checkpoint(
-        checkpoint, recipe=args.recipe, overrides=args.overrides, weights=weights, output=output
-    )
-    print(json.dumps(metrics, indent=2))
+    metrics = evaluate_checkpoint(checkpoint, recipe=args.recipe, overrides=args.overrides, weights=weights)
+    text = json.dumps(metrics, indent=2)
+    print(text, flush=True)  # first: a file that cannot be written loses nothing
+    from slipstream.run.directory import atomic_write_text
+
+    try:
+        atomic_write_text(output, text + "\n")
+    except (OSError, SlipstreamError) as exc:
+        if args.output is not None:
+            raise
+        print(
+            f"slipstream: warning: the metrics (above) are not written to {output}: {describe(exc)}; "
+            "give -o FILE to write them elsewhere",
+            file=sys.stderr,
+        )
+        return 0
     print(f"slipstream: metrics written to {output}", file=sys.stderr)
     return 0
 

@@ -70,7 +70,7 @@ def read_rgb(path: str) -> torch.Tensor:
     """
     if decode_image is not None:
         try:
-            return decode_image(path, mode=ImageReadMode.RGB)
+            return as_uint8(decode_image(path, mode=ImageReadMode.RGB))
         except RuntimeError:
             pass  # a format torchvision.io lacks (BMP, TIFF, ...): try PIL
     try:
@@ -78,6 +78,14 @@ def read_rgb(path: str) -> torch.Tensor:
             return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
     except OSError as err:
         raise DataError(f"imagefolder: cannot decode {path}: {err}") from None
+
+
+def as_uint8(image: torch.Tensor) -> torch.Tensor:
+    """A decoded image as 0-255 ``uint8``, as every source gives it: torchvision.io keeps
+    a 16-bit PNG's ``uint16`` (a batch that mixed it with 8-bit images failed to stack)."""
+    if image.dtype == torch.uint8:
+        return image
+    return v2.functional.to_dtype(image, torch.uint8, scale=True)
 
 
 def _cifar(

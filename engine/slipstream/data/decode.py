@@ -20,7 +20,7 @@ try:  # deprecated since torchvision 0.29 (TorchCodec takes over); PIL when it i
 except ImportError:  # pragma: no cover - depends on the torchvision release
     decode_image = None
 
-from slipstream.data.datasets import DataError
+from slipstream.data.datasets import DataError, as_uint8
 
 MAX_NAMED = 10  # unreadable samples named per process; past that, one line says naming stopped
 
@@ -30,7 +30,7 @@ def decode_rgb(data: bytes | bytearray | memoryview, name: str) -> torch.Tensor:
     ``name`` if they are no image either decoder can read."""
     if decode_image is not None and len(data):
         try:
-            return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+            return as_uint8(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB))
         except RuntimeError:
             pass  # a format torchvision.io lacks (BMP, TIFF, ...), or a corrupt one: PIL decides
     try:
@@ -54,14 +54,16 @@ class ResizeCrop:
 
 
 class SkipLog:
-    """Names unreadable samples on stderr (the first MAX_NAMED per process), as the
-    ImageFolder source does."""
+    """Names each unreadable sample once on stderr (the first MAX_NAMED per process),
+    for every source that skips them."""
 
     def __init__(self, where: str) -> None:
-        self.where = where
+        self.where = where  # what the replacement comes from ("shard", "image's class")
         self.skipped: list[str] = []
 
     def warn(self, name: str, reason: str) -> None:
+        if name in self.skipped:
+            return  # named once (a later epoch reads it again)
         self.skipped.append(name)
         if len(self.skipped) <= MAX_NAMED:
             print(

@@ -178,7 +178,12 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     path = Path(path)
     if path.is_dir():
         run = RunDir(path)
-        path = run.latest if run.checkpoints.is_dir() else path / LATEST
+        if not run.latest.is_file() and not (path / LATEST).is_file():
+            raise CheckpointError(
+                f"no checkpoint in {path}: looked for {run.latest} (a run directory) and {path / LATEST} "
+                "(its checkpoints folder); give a checkpoint file, or a run that wrote one"
+            )
+        path = run.latest if run.latest.is_file() else path / LATEST
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
@@ -518,9 +523,13 @@ def restore_checkpoint(
     state.timestamp.load_state_dict(payload["timestamp"])
     set_rng_state(payload["rng"])
     saved_world = payload.get("world_size")
+    saved_batch = ((payload.get("config") or {}).get("data") or {}).get("batch_size")
     if isinstance(saved_world, int) and saved_world != state.world_size and state.rank == 0:
-        saved_batch = ((payload.get("config") or {}).get("data") or {}).get("batch_size")
         warnings.warn(world_size_changed(path, saved_world, state, saved_batch), stacklevel=2)
+    elif isinstance(saved_world, int) and state.rank == 0:
+        moved = batch_size_changed(path, saved_world, saved_batch, state)
+        if moved:
+            warnings.warn(moved, stacklevel=2)
     if verbose:
         ts = state.timestamp
         print(
@@ -554,6 +563,25 @@ def world_size_changed(path: Path, saved: int, state: State, saved_batch: Any = 
         f"slipstream: {path} was written by {_processes(saved)} and this run has {now}. "
         f"Training goes on, but not as that run would have: {batch}{rest}. Resume with "
         f"{_processes(saved)} to continue it exactly"
+    )
+
+
+def batch_size_changed(path: Path, saved_world: int, saved_batch: Any, state: State) -> str | None:
+    """What a mid-epoch resume with another batch size does to the rest of the epoch:
+    the data's order continues at the same batch index, which is now another sample."""
+    ts = state.timestamp
+    if not ts.batch_in_epoch or not isinstance(saved_batch, int) or not state.global_batch_size:
+        return None
+    before, now = saved_world * saved_batch, state.global_batch_size
+    if before == now:
+        return None
+    stopped, starts = ts.batch_in_epoch * before, ts.batch_in_epoch * now
+    what = "skipped" if starts > stopped else "seen twice"
+    return (
+        f"slipstream: {path} stopped after batch {ts.batch_in_epoch} of epoch {ts.epoch} at {before} samples "
+        f"a step, and this run takes {now}: the rest of the epoch starts at sample {starts} of its order, "
+        f"not at sample {stopped} where that run stopped, so {abs(starts - stopped)} samples are {what} in "
+        "this epoch. To change the batch size exactly, resume from a checkpoint at an epoch's end"
     )
 
 

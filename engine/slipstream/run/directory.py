@@ -207,12 +207,21 @@ def resumes_in(paths: RunDir, load_path: Path | None) -> bool:
     return load_path is not None and paths.root.resolve() in load_path.resolve().parents
 
 
-def choose_run_dir(run_dir: str | Path | None, *, overwrite: bool, load_path: Path | None) -> RunDir:
+def choose_run_dir(
+    run_dir: str | Path | None, *, overwrite: bool, load_path: Path | None, weights_from: Path | None = None
+) -> RunDir:
     """The run directory a new run may use: ``run_dir`` (a fresh one under runs/
     when None), refused when it holds another run that neither ``overwrite`` nor a
-    resume from it allows replacing. Nothing is written."""
+    resume from it allows replacing, or when ``overwrite`` would delete the checkpoint
+    a fine-tuning run loads (``weights_from``). Nothing is written."""
     paths = RunDir(Path(run_dir) if run_dir is not None else new_run_dir("run"))
     held = paths.holds_run()
+    deleted = weights_from is not None and paths.checkpoints.resolve() in weights_from.resolve().parents
+    if overwrite and deleted and weights_from.is_file():
+        raise ConfigError(
+            f"trainer.overwrite=true would delete {weights_from}, the checkpoint this run loads its "
+            f"weights from; copy it out of {paths.root} first, or choose another trainer.run_dir"
+        )
     resuming_here = resumes_in(paths, load_path)
     if resuming_here and overwrite:
         raise ConfigError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from slipstream.data.loaders import stop_workers
-from slipstream.errors import CheckpointError, ConfigError
+from slipstream.errors import CheckpointError, ConfigError, describe
 from slipstream.run.checkpoint import load_checkpoint, select_weights, weights_in
 from slipstream.run.directory import atomic_write_text
 
@@ -182,31 +183,66 @@ def export_model(
     with torch.no_grad():
         expected = model(inputs)
     if format == "torchscript":
+        any_batch = True  # a trace of convolutions and matmuls keeps the batch dimension free
         with torch.no_grad():
             traced = torch.jit.trace(model, (inputs,), check_trace=False)
         traced.save(str(output))
         run = torch.jit.load(str(output), map_location=inputs.device)
     elif format == "exported-program":
-        program = torch.export.export(model, (inputs,))
+        program, any_batch = _with_any_batch(
+            lambda dynamic: torch.export.export(model, (inputs,), dynamic_shapes=dynamic), len(inputs)
+        )
         torch.export.save(program, str(output))
         run = torch.export.load(str(output)).module()
     else:
-        run = _export_onnx(model, inputs, output)
-    result: dict[str, Any] = {"format": format, "file": str(output), "input_shape": list(inputs.shape)}
+        run, any_batch = _export_onnx(model, inputs, output)
+    result: dict[str, Any] = {
+        "format": format,
+        "file": str(output),
+        "input_shape": list(inputs.shape),
+        "any_batch_size": any_batch,
+    }
     if not check:
         return result
+    result["max_abs_diff"], result["matches"] = _compare(run, inputs, expected, atol, rtol)
+    if any_batch and len(inputs) > 1:
+        # The batch size is free (a trace and the dynamic export keep it so): shown on one sample.
+        with torch.no_grad():
+            one = model(inputs[:1])
+        diff, matches = _compare(run, inputs[:1], one, atol, rtol)
+        result["max_abs_diff"] = max(result["max_abs_diff"], diff)
+        result["matches"] = result["matches"] and matches
+    return result
+
+
+def _compare(run: Any, inputs: torch.Tensor, expected: Any, atol: float, rtol: float) -> tuple[float, bool]:
+    """The exported model's largest difference from the eager outputs, and whether it is
+    within tolerance."""
     with torch.no_grad():
         got = run(inputs)
     got = got[0] if isinstance(got, (tuple, list)) else got
     expected = expected[0] if isinstance(expected, (tuple, list)) else expected
     got = torch.as_tensor(got).to(expected.device, expected.dtype)
     diff = (got - expected).abs().max().item() if expected.numel() else 0.0
-    result["max_abs_diff"] = diff
-    result["matches"] = bool(torch.allclose(got, expected, atol=atol, rtol=rtol))
-    return result
+    return diff, bool(torch.allclose(got, expected, atol=atol, rtol=rtol))
 
 
-def _export_onnx(model: nn.Module, inputs: torch.Tensor, output: Path) -> Any:
+def _with_any_batch(export: Any, batch: int) -> tuple[Any, bool]:
+    """``export(dynamic_shapes)`` with the batch dimension left free (exported at the
+    example's size alone, the model took no other batch size), and whether it is free;
+    a model that cannot be exported so is exported for ``batch``, with a warning."""
+    try:
+        return export(({0: torch.export.Dim.DYNAMIC},)), True
+    except Exception as exc:  # torch.export's refusals have many types
+        warnings.warn(
+            f"slipstream: the model cannot be exported for any batch size ({describe(exc)}); the file "
+            f"takes batches of {batch} only",
+            stacklevel=3,
+        )
+        return export(None), False
+
+
+def _export_onnx(model: nn.Module, inputs: torch.Tensor, output: Path) -> tuple[Any, bool]:
     try:
         import onnx  # noqa: F401
         import onnxruntime
@@ -215,7 +251,10 @@ def _export_onnx(model: nn.Module, inputs: torch.Tensor, output: Path) -> Any:
             f"export --format onnx needs onnx and onnxruntime ({exc}); install them with: "
             "pip install 'slipstream[onnx]'"
         ) from None
-    program = torch.onnx.export(model, (inputs,), dynamo=True, verbose=False)
+    program, any_batch = _with_any_batch(
+        lambda dynamic: torch.onnx.export(model, (inputs,), dynamo=True, verbose=False, dynamic_shapes=dynamic),
+        len(inputs),
+    )
     program.save(str(output))
     session = onnxruntime.InferenceSession(str(output), providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
@@ -223,7 +262,7 @@ def _export_onnx(model: nn.Module, inputs: torch.Tensor, output: Path) -> Any:
     def run(x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(session.run(None, {name: x.detach().cpu().contiguous().numpy()})[0])
 
-    return run
+    return run, any_batch
 
 
 def export_checkpoint(

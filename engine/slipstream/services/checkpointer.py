@@ -84,9 +84,26 @@ class Checkpointer:
                 saved = load_checkpoint(self.paths.best).get("best")
             except CheckpointError:
                 saved = None
-            if isinstance(saved, dict) and saved.get("metric") == self.best_metric:
+            step = saved.get("step") if isinstance(saved, dict) else None
+            if isinstance(step, int) and step > state.timestamp.batch:
+                self._set_aside_best(state, step)
+            elif isinstance(saved, dict) and saved.get("metric") == self.best_metric:
                 self.best = saved
                 state.summary["best_checkpoint"] = saved
+
+    def _set_aside_best(self, state: State, step: int) -> None:
+        """best.pt of steps this resume discards (it resumes from an earlier checkpoint):
+        kept under another name, never taken for this run's best."""
+        if not self.write:
+            return
+        aside = self.paths.best.with_name(f"best-ba{step}-discarded.pt")
+        self.paths.best.replace(aside)
+        warnings.warn(
+            f"slipstream: checkpoints/best.pt is from step {step}, past step {state.timestamp.batch} that this "
+            f"run resumes from, so it is not this run's: it is kept as {aside.name}, and best.pt is written "
+            "again at this run's next evaluation",
+            stacklevel=2,
+        )
 
     @hookimpl
     def batch_end(self, state: State) -> None:

@@ -49,6 +49,8 @@ class Evaluator:
     @hookimpl
     def fit_start(self, state: State) -> None:
         self.interval.start(state)
+        if state.eval_metrics:  # a resume whose log evaluated its checkpoint's step
+            self._last_eval_batch = state.timestamp.batch
 
     @hookimpl
     def batch_end(self, state: State) -> None:

@@ -55,6 +55,9 @@ class SummaryWriter:
         self.write = write
         self.summary: dict[str, Any] = {}
         self._started = False
+        # The summary of the session this one finishes without training (a run a signal
+        # stopped in its last batch): its rates stand for the run's.
+        self.carried: dict[str, Any] = {}
 
     def build(self, state: State, status: str) -> dict[str, Any]:
         """The summary of the run as it stands, with ``status``."""
@@ -67,6 +70,9 @@ class SummaryWriter:
         # A diverged run's final weights are not what any evaluation measured: no
         # final accuracy (the best of earlier evaluations stays, with its checkpoint).
         final = {} if status == "diverged" else state.eval_metrics
+        rates = {}
+        if self.carried and not state.session_samples:
+            rates = {key: self.carried[key] for key in CARRIED_RATES if key in self.carried}
         return {
             "status": status,
             "accuracy": final.get("accuracy"),
@@ -94,6 +100,7 @@ class SummaryWriter:
             # session's, which may have run on other hardware; the counts are the run's.
             **({"session_from_step": state.session_start_batch} if state.session_start_batch else {}),
             **state.summary,
+            **rates,
         }
 
     @property
@@ -134,13 +141,31 @@ class SummaryWriter:
         self._write(state, "interrupted" if isinstance(error, KeyboardInterrupt) else "failed", error)
 
 
+# What a session that trained nothing takes from the one it finishes.
+CARRIED_RATES = (
+    "samples_per_s",
+    "mfu",
+    "compute_dtype",
+    "peak_dtype",
+    "peak_tflops",
+    "peak_source",
+    "train_flops_per_sample",
+    "peak_memory_mb",
+    "session_from_step",
+)
+
+
 def resume_summary(state: State, metrics: Path, target: TargetAccuracy | None = None) -> None:
     """Make a resumed run's summary describe the whole run, as its metrics log does:
     the best accuracies and the time the target was reached are taken from the eval
-    records of ``metrics`` up to the checkpoint's step (what the log keeps on resume)."""
+    records of ``metrics`` up to the checkpoint's step (what the log keeps on resume),
+    and an evaluation at the checkpoint's step is the run's latest (``eval_metrics``)."""
     step = state.timestamp.batch
     evals = [r for r in _records(metrics) if r.get("kind") == "eval" and _num(r.get("step")) is not None]
     evals = [r for r in evals if r["step"] <= step]
+    if evals and evals[-1]["step"] == step:
+        keys = ("loss", "accuracy", "accuracy_top5")
+        state.eval_metrics = {key: evals[-1][key] for key in keys if _num(evals[-1].get(key)) is not None}
     for key, best_key in (("accuracy", "best_accuracy"), ("accuracy_top5", "best_accuracy_top5")):
         values = [v for r in evals if (v := _num(r.get(key))) is not None]
         if values:
