@@ -57,7 +57,10 @@ def test_checkpoint_interval_in_batches_keeps_the_newest(tmp_path):
         eval_interval=None,
     )
     names = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir())
-    assert names == ["ep0-ba4.pt", "ep1-ba6.pt", "latest.pt"]  # ba4 ends epoch 0, before epoch_end
+    # ba4 ends epoch 0: named with the epochs done there, as a checkpoint at its epoch_end is
+    assert names == ["ep1-ba4.pt", "ep1-ba6.pt", "latest.pt"]
+    epoch_end = train(tmp_path / "ep", [], max_duration="4ba", checkpoint_interval="1ep", eval_interval=None)
+    assert sorted(p.name for p in (epoch_end.run_dir / "checkpoints").iterdir()) == ["ep1-ba4.pt", "latest.pt"]
 
 
 def test_checkpoint_keep_holds_across_a_resume_and_0_keeps_only_latest(tmp_path):

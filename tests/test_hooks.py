@@ -226,7 +226,9 @@ def test_train_throughput_leaves_evaluation_time_out(tmp_path, monkeypatch):
     records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     rates = [r["samples_per_s"] for r in records if r["kind"] == "train"]
     assert [r["step"] for r in records if r["kind"] == "eval"] == [4, 8, 12]
-    assert rates == pytest.approx([16.0] * 4)
+    # Every log_interval, and before each evaluation for the steps up to it.
+    assert [r["step"] for r in records if r["kind"] == "train"] == [3, 4, 6, 8, 9, 12]
+    assert rates == pytest.approx([16.0] * 6)
 
 
 class LossRecorder(Algorithm):

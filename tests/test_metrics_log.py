@@ -40,10 +40,11 @@ def test_records_wait_for_the_flush_and_a_checkpoint_writes_those_before_it(tmp_
 @pytest.mark.parametrize(
     ("max_duration", "eval_interval", "log_interval", "expected"),
     [
-        # The last evaluation at fit_end (a run in batches), after a mid-run one.
-        ("6ba", "3ba", 4, [("eval", 3), ("train", 4), ("train", 6), ("eval", 6)]),
+        # The last evaluation at fit_end (a run in batches), after a mid-run one; each
+        # evaluation follows the train record of the steps up to it.
+        ("6ba", "3ba", 4, [("train", 3), ("eval", 3), ("train", 4), ("train", 6), ("eval", 6)]),
         # The last evaluation at the last epoch_end (4 batches an epoch).
-        ("2ep", "1ep", 3, [("train", 3), ("eval", 4), ("train", 6), ("train", 8), ("eval", 8)]),
+        ("2ep", "1ep", 3, [("train", 3), ("train", 4), ("eval", 4), ("train", 6), ("train", 8), ("eval", 8)]),
     ],
 )
 def test_a_run_ending_between_marks_logs_its_last_interval_before_the_final_evaluation(
@@ -78,12 +79,24 @@ def test_an_evaluation_writes_the_records_made_before_it_then_its_own(tmp_path, 
     seen = []
     trainer = train(tmp_path, [watcher(tmp_path, seen)], max_duration="4ba", log_interval=1,
                     checkpoint_interval=None, eval_interval="2ba")
-    # At a batch_end the evaluation runs before the metrics log makes that step's record;
-    # the last one runs at the run's end, after it.
-    assert [len(s) for s in seen] == [0, 0, 1, 1]
+    # An evaluation first makes the train record of its step (at a batch_end it runs
+    # before the metrics log's), then writes every record made, then its own.
+    assert [len(s) for s in seen] == [0, 0, 2, 2]
     lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
     order = [(r["kind"], r["step"]) for r in map(json.loads, lines)]
-    assert order == [("train", 1), ("eval", 2), ("train", 2), ("train", 3), ("train", 4), ("eval", 4)]
+    assert order == [("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("train", 4), ("eval", 4)]
+
+
+@pytest.mark.parametrize("eval_interval", ["4ba", "1ep"])
+def test_records_count_the_epochs_done_at_their_step_whichever_hook_makes_them(tmp_path, eval_interval):
+    # 4 batches an epoch: step 4 ends epoch 0, whether evaluated at its batch_end or epoch_end.
+    trainer = train(tmp_path, max_duration="8ba", log_interval=2, checkpoint_interval=None,
+                    eval_interval=eval_interval)
+    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    epochs = {(r["kind"], r["step"]): r["epoch"] for r in map(json.loads, lines)}
+    assert epochs == {("train", 2): 0, ("train", 4): 1, ("eval", 4): 1, ("train", 6): 1, ("train", 8): 2,
+                      ("eval", 8): 2}
+    assert trainer.summary["epochs"] == 2
 
 
 def test_a_failed_run_writes_the_records_it_made(tmp_path, monkeypatch):

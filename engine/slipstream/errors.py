@@ -94,6 +94,8 @@ def network_failure(exc: BaseException) -> BaseException | None:
     except ImportError:
         pass
     for link in _chain(exc):
+        if isinstance(link, BrokenPipeError):
+            return None  # a reader that went away (`slipstream ... | head`), not the network
         if isinstance(link, tuple(kinds)):
             return link
     return None

@@ -130,6 +130,7 @@ def build_optimizer(
         backbone_lr_scale=backbone_lr_scale,
         head=head,
     )
+    extra = kwargs
     kwargs = {"lr": lr, **dict(kwargs or {})}
     if is_import_path(name):
         try:
@@ -151,6 +152,10 @@ def build_optimizer(
     kwargs.update(_impl_kwargs(cls, impl, device))
     try:
         optimizer = cls([g for g in groups if g["params"]], **kwargs)
+    except TypeError as exc:  # a keyword it does not take, from optimizer.kwargs
+        raise ConfigError(
+            f"cannot build optimizer {name!r} with optimizer.kwargs={dict(extra or {})}: {exc}"
+        ) from None
     except (RuntimeError, ValueError) as exc:
         raise ConfigError(f"cannot build optimizer {name!r} with impl={impl!r}: {exc}") from None
     _REQUESTED[optimizer] = impl

@@ -240,6 +240,14 @@ class State:
             return d.value / self.global_batch_size
         return None
 
+    def epochs_done(self) -> int:
+        """The epochs completed at the current step, whichever hook asks: at an epoch's
+        last ``batch_end`` it says what its ``epoch_end`` (where ``timestamp.epoch`` has
+        moved on) says. Metrics records and checkpoint names count epochs so."""
+        ts = self.timestamp
+        ended = bool(self.batches_per_epoch) and ts.batch_in_epoch >= self.batches_per_epoch
+        return ts.epoch + 1 if ended else ts.epoch
+
     def is_done(self) -> bool:
         return (
             self.stop_requested or self.time_in(self.max_duration.unit) >= self.max_duration.value

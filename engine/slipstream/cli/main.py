@@ -293,6 +293,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt as exc:
             print(f"slipstream: {str(exc) or 'interrupted'}", file=sys.stderr)
             return 128 + getattr(exc, "signum", signal.SIGINT)
+        except BrokenPipeError:
+            # The reader of the output went away (`slipstream algorithms | head -1`):
+            # nothing to report. Python's own flush at exit would complain, so stdout
+            # goes to /dev/null first.
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError):  # no file descriptor behind stdout
+                pass
+            return 0
         except Exception as exc:
             message = user_error_message(exc)
             if message is None:

@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import types
+import typing
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -125,14 +128,73 @@ def load_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]
         )
     parent = raw.pop("extends", None)
     check_keys(raw, source=str(path))
+    removed = _recipe_plugins(raw, source=str(path))
     if parent is None:
+        for section, names in removed.items():
+            for name in names or ():
+                warnings.warn(
+                    f"recipe {path}: {section}.{name}: false removes nothing: the recipe extends none",
+                    ConfigWarning,
+                    stacklevel=2,
+                )
         return raw
     try:
         parent_path = find_recipe(str(parent), relative_to=path.parent)
     except ConfigError as exc:
         raise ConfigError(f"recipe {path} extends {parent!r}, which cannot be found: {exc}") from None
     base = load_recipe_file(parent_path, (*_seen, path))
+    for section, names in removed.items():
+        inherited = base.get(section) or {}
+        if names is None:  # `algorithms: {}` or `algorithms: null`: none of the parent's
+            base[section] = {}
+            continue
+        for name in names:
+            if name not in inherited:
+                warnings.warn(
+                    f"recipe {path}: {section}.{name}: false removes nothing: {parent} does not enable "
+                    f"{name!r} (it enables: {', '.join(inherited) or 'none'})",
+                    ConfigWarning,
+                    stacklevel=2,
+                )
+            inherited.pop(name, None)
+    for key in _EMPTIED:  # an empty mapping given here replaces the parent's, it does not merge into it
+        section, field = key.split(".")
+        if (raw.get(section) or {}).get(field) == {} and isinstance(base.get(section), dict):
+            base[section].pop(field, None)
     return OmegaConf.to_container(OmegaConf.merge(base, raw))  # type: ignore[return-value]
+
+
+# Mappings of a section that a recipe or override may empty with {}.
+_EMPTIED = ("model.kwargs", "optimizer.kwargs", "loss.kwargs")
+
+
+def _recipe_plugins(raw: dict[str, Any], source: str) -> dict[str, list[str] | None]:
+    """A recipe's plugin sections as mappings of options: ``NAME:``, ``NAME: null`` and
+    ``NAME: true`` enable it with its defaults, ``NAME: false`` removes one it inherits
+    (as ``algorithms.NAME=false`` on the command line). Returns what to take from the
+    parent: per section, the names removed, or None for none of its plugins (the section
+    given as ``{}`` or null)."""
+    removed: dict[str, list[str] | None] = {}
+    for section in PLUGIN_SECTIONS:
+        if section not in raw:
+            continue
+        plugins = raw[section]
+        if not plugins:
+            removed[section] = None
+            raw[section] = {}
+            continue
+        for name, options in list(plugins.items()):
+            if options is False:
+                removed.setdefault(section, []).append(name)
+                del plugins[name]
+            elif options is None or options is True:
+                plugins[name] = {}
+            elif not isinstance(options, dict):
+                raise ConfigError(
+                    f"{source}: {section}.{name} is {options!r}; give its options as a mapping, true or "
+                    "nothing to enable it with its defaults, or false to remove one the recipe extends"
+                )
+    return removed
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -299,6 +361,10 @@ def build_config(
         section: _plugin_section(merged, section, flag, over.pop(section, None))
         for section, flag in (("algorithms", algorithms), ("callbacks", callbacks))
     }
+    for key in _EMPTIED:  # key={} empties the mapping (later wins), where a merge would keep it
+        section, field = key.split(".")
+        if (over.get(section) or {}).get(field) == {}:
+            merged[section][field] = {}
     merged = _merge(merged, over, "command line")
     for section, plugins in chosen.items():
         merged[section] = plugins
@@ -382,12 +448,59 @@ def _resolve_interpolations(cfg: DictConfig) -> None:
 
 
 def _merge(base: DictConfig, layer: dict[str, Any], source: str) -> DictConfig:
+    for section, schema in SECTIONS.items():
+        if isinstance(layer.get(section), dict):
+            _check_switches(layer[section], schema, section, source)
     try:
         return OmegaConf.merge(base, layer)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         message = str(exc).strip().splitlines()[0]
         raise ConfigError(f"{source}: bad value for {key}: {message}") from None
+
+
+def _check_switches(values: dict[str, Any], schema: type, prefix: str, source: str) -> None:
+    """Values of the shape each key takes, said in the user's words: a true/false setting
+    takes true or false (omegaconf would read 2 as true and 0 as false, and the run would
+    go on with a setting nobody wrote), a list a list, a mapping or a section a mapping
+    (where omegaconf's own message names its node classes)."""
+    hints = typing.get_type_hints(schema)
+    for key, value in values.items():
+        if key not in hints:
+            if "." in prefix:  # a nested section's key (the sections' own are check_keys')
+                valid = [f"{prefix}.{k}" for k in hints]
+                raise ConfigError(
+                    f"{source}: unknown key '{prefix}.{key}'{did_you_mean(f'{prefix}.{key}', valid)}; "
+                    f"allowed in {prefix}: {', '.join(hints)}"
+                )
+            continue
+        hint, optional = _unwrap_optional(hints[key])
+        name = f"{prefix}.{key}"
+        if value is None and optional:
+            continue
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                some = dataclasses.fields(hint)[0].name
+                raise ConfigError(f"{source}: {name} is a section of keys, not {value!r}; set one as {name}.{some}=...")
+            _check_switches(value, hint, name, source)
+        elif hint is bool and not isinstance(value, bool):
+            raise ConfigError(f"{source}: {name} is true or false, got {value!r}")
+        elif _origin(hint) in (list, tuple, Sequence) and not isinstance(value, list):
+            raise ConfigError(f"{source}: {name} is a list, got {value!r}; e.g. '{name}=[a, b]' (quoted in the shell)")
+        elif _origin(hint) is dict and not isinstance(value, dict):
+            raise ConfigError(f"{source}: {name} is a mapping of keywords, got {value!r}; set one as {name}.KEY=VALUE")
+
+
+def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else hint), True
+    return hint, False
+
+
+def _origin(hint: Any) -> Any:
+    return typing.get_origin(hint) or hint
 
 
 def validate(cfg: DictConfig) -> None:
@@ -412,6 +525,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"model.num_classes must be at least 1, got {cfg.model.num_classes}")
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
+    if cfg.optimizer.weight_decay < 0:
+        raise ConfigError(f"optimizer.weight_decay must be 0 or more, got {cfg.optimizer.weight_decay}")
     check_data(cfg)
 
 

@@ -134,7 +134,7 @@ class Checkpointer:
             if (value <= self.best["value"]) if higher else (value >= self.best["value"]):
                 return
         ts = state.timestamp
-        best = {"metric": self.best_metric, "value": value, "step": ts.batch, "epoch": ts.epoch}
+        best = {"metric": self.best_metric, "value": value, "step": ts.batch, "epoch": state.epochs_done()}
         payload = self._payload(state, shards=False)
         if payload is None:
             return
@@ -192,7 +192,7 @@ class Checkpointer:
         ts = state.timestamp
         if self.keep == 0:  # none kept besides latest.pt: none written
             return save_checkpoint(payload, self.paths.latest)
-        path = save_checkpoint(payload, self.paths.checkpoint(ts.epoch, ts.batch))
+        path = save_checkpoint(payload, self.paths.checkpoint(state.epochs_done(), ts.batch))
         save_checkpoint(payload, self.paths.latest)
         if path in self._written:  # the same step written again (a resume from before it)
             self._written.remove(path)
@@ -222,6 +222,6 @@ class Checkpointer:
                     stacklevel=3,
                 )
             return None
-        folder = self.paths.shards(ts.epoch, ts.batch)
+        folder = self.paths.shards(state.epochs_done(), ts.batch)
         save_shards({k: payload[k] for k in sharded}, folder)
         return {**payload, **dict.fromkeys(sharded), "shards": folder.name, "sharded_parts": sharded}

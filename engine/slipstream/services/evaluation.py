@@ -123,7 +123,7 @@ class Evaluator:
                         fix = "return the logits from forward in eval mode (or a tuple whose first item they are)"
                         raise ConfigError(not_logits(state.outputs, "the evaluation", fix))
                     targets = state.batch[1]
-                    totals[0] += eval_loss(state.loss_fn, logits, targets)
+                    totals[0] += eval_loss(state.loss_fn, state.outputs, logits, targets)
                     targets = class_indices(targets, logits)
                     totals[1] += (logits.argmax(dim=1) == targets).sum()
                     totals[2] += targets.numel()
@@ -160,15 +160,16 @@ class Evaluator:
         return state.eval_metrics
 
 
-def eval_loss(loss_fn: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def eval_loss(loss_fn: Any, outputs: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The summed loss of one evaluation batch. With the default ``CrossEntropyLoss``
-    (any options) it is plain cross-entropy, as timm and Composer report it: label
-    smoothing is a training device, not what the model's predictions are worth. A
-    loss function of the user's own is evaluated as it trains (its value taken as the
-    batch's mean), so that ``best_metric=loss`` and ``early_stopping`` rank by it."""
+    (any options) it is plain cross-entropy of the ``logits``, as timm and Composer report
+    it: label smoothing is a training device, not what the model's predictions are worth.
+    A loss function of the user's own is evaluated as it trains, on what the model
+    returned (its value taken as the batch's mean), so that ``best_metric=loss`` and
+    ``early_stopping`` rank by it."""
     if isinstance(loss_fn, torch.nn.CrossEntropyLoss):
         return F.cross_entropy(logits.float(), targets, reduction="sum")
-    value = loss_fn(logits, targets)
+    value = loss_fn(outputs, targets)
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
         raise ConfigError(
             f"the evaluation computes loss_fn(logits, targets) and needs one number per batch, got "

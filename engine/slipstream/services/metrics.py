@@ -151,7 +151,7 @@ class MetricsLogger:
         record = {
             "kind": "train",
             "step": state.timestamp.batch,
-            "epoch": state.timestamp.epoch,
+            "epoch": state.epochs_done(),
             "elapsed_s": round(now, 4),
             "loss": loss,
             "lr": _scalar(self.lr_used if self.lr_used is not None else state.optimizer.param_groups[0]["lr"]),
@@ -173,7 +173,9 @@ class MetricsLogger:
 
     @hookimpl
     def eval_start(self, state: State) -> None:
-        self.log_final(state)
+        # The losses of the steps up to this evaluation, in a train record before its
+        # eval record (an evaluation at batch_end runs before this logger's batch_end).
+        self.log_train(state)
         self._eval_started = state.tick()
 
     @hookimpl
@@ -181,7 +183,7 @@ class MetricsLogger:
         record = {
             "kind": "eval",
             "step": state.timestamp.batch,
-            "epoch": state.timestamp.epoch,
+            "epoch": state.epochs_done(),
             "elapsed_s": round(state.tick(), 4),
             **state.eval_metrics,
         }
