@@ -32,13 +32,14 @@ with the quartiles of that ratio over chunks of 100 steps:
 
 After the paired steps it prints **whole runs**, the reading a user sees and the one
 the peers' figures (Fabric 1.09, Ignite 1.11, Accelerate 1.24, Lightning 1.44, Composer
-2.52) were measured with: whole ``fit()`` calls (making the Trainer, start-up, both epochs
-and the end of the run) against a whole hand-written loop, on the peers' anchor workload (a
+2.52) were measured with: whole ``fit()`` calls (start-up, both epochs and the end of the
+run; making the Trainer before it is timed apart) against a whole hand-written loop, on the peers' anchor workload (a
 3072-32-10 MLP on 3x32x32 inputs, batch 32, a shuffled DataLoader, SGD with momentum,
 2 epochs of 200 steps), engine and loop alternated, the median of the ratios, bare and
 with the progress bar (``/work/shared/acceptance/08-engine-overhead`` measures the same).
 Goals: 1.03 bare, 1.05 with the bar. ``--fit-calls N`` sets the alternations (default 7,
-0 to skip).
+0 to skip). ``--between-ops`` shows what a little Python costs between the torch calls of
+this step, against its cost timed alone.
 
 ``--whole-runs`` measures as before: whole loops, the hand-written one run before and
 after each repetition's Trainer runs, the median of the per-repetition ratios (their
@@ -66,6 +67,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -348,9 +350,12 @@ def anchor_fit(
     engine: type[Trainer] = Trainer,
     without: tuple[str, ...] = (),
     section: Callable[[], Any] = contextlib.nullcontext,
+    made: list[float] | None = None,
 ) -> float:
-    """Seconds of one whole ``fit()`` call of the anchor workload, from making the Trainer
-    to its summary (``section`` around both), the services ``without`` unregistered first."""
+    """Seconds of one whole ``fit()`` call of the anchor workload, from its start to its
+    summary, as ``acceptance/08-engine-overhead`` and the peers' figures time it. Making
+    the Trainer comes before and is timed apart (appended to ``made``); ``section`` is
+    around both; the services ``without`` are unregistered first."""
     data, model, optimizer = anchor_setup()
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as sink, section():
         started = time.perf_counter()
@@ -366,17 +371,22 @@ def anchor_fit(
             verbose=False,
         )
         prepare(trainer, sink if progress_bar else None, without)
+        fitting = time.perf_counter()
         trainer.fit()
-        return time.perf_counter() - started
+        ended = time.perf_counter()
+    if made is not None:
+        made.append(fitting - started)
+    return ended - fitting
 
 
 def main_fit_calls(repeats: int, epochs: int = 2) -> None:
     anchor_hand_written(epochs)  # warm-up: first-call costs belong to neither side
     anchor_fit(False, f"{epochs}ep")
     ratios: dict[str, list[float]] = {"bare": [], "+ progress bar": []}
+    made: list[float] = []
     for name, bar in (("bare", False), ("+ progress bar", True)):
         for _ in range(repeats):
-            ratios[name].append(anchor_fit(bar, f"{epochs}ep") / anchor_hand_written(epochs))
+            ratios[name].append(anchor_fit(bar, f"{epochs}ep", made=made) / anchor_hand_written(epochs))
     print(
         f"whole runs: fit() against a hand-written loop, the peers' anchor workload (3072-32-10 MLP, "
         f"batch 32, {epochs} epochs of 200 steps), {repeats} alternations, {torch.get_num_threads()} thread(s)"
@@ -388,6 +398,7 @@ def main_fit_calls(repeats: int, epochs: int = 2) -> None:
             f"{name:<26} {statistics.median(r):>7.3f}   {r[len(r) // 4]:.3f} - {r[(3 * len(r)) // 4]:.3f}"
             f"          <= {goal}"
         )
+    print(f"making the Trainer (before fit(), outside these ratios): {1e3 * statistics.median(made):.1f} ms, median")
 
 
 def anchor_hand_written_steps(batches: int) -> float:
@@ -592,6 +603,67 @@ def _count_in_callgrind(epochs: int) -> None:
     anchor_fit(max_duration=f"{epochs}ep", section=counted)
 
 
+def main_between_ops(repeats: int = 25) -> None:
+    """What Python costs between the torch calls of a step: a small pure-Python loop
+    timed alone (hot caches), then put into the hand-written step of the anchor MLP,
+    once and between each of its calls. A step's kernels stream the batch and the
+    weights (about 0.8 MB) through the caches, so the interpreter's code and objects
+    are cold again after each call: this is why the engine's extra Python per batch
+    costs several times what it costs timed alone, and why the time ratio of whole
+    runs is above their instruction ratio (``--instructions``)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3072, 32), nn.ReLU(), nn.Linear(32, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def python() -> None:
+        for _ in range(60):
+            pass
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+
+    def step_python_once() -> None:
+        python()
+        step()
+
+    def step_python_between() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        python()
+        outputs = model(x)
+        python()
+        loss = loss_fn(outputs, y)
+        python()
+        loss.backward()
+        python()
+        optimizer.step()
+
+    alone = min(timeit.repeat(python, number=20000, repeat=5)) / 20000
+    variants = {"the step": step, "+ the loop once": step_python_once, "+ the loop 4 times": step_python_between}
+    for run in variants.values():
+        for _ in range(300):
+            run()
+    taken: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            started = time.perf_counter()
+            for _ in range(100):
+                run()
+            taken[name].append((time.perf_counter() - started) / 100)
+    us = {name: 1e6 * statistics.median(t) for name, t in taken.items()}
+    threads = torch.get_num_threads()
+    print(f"Python between the torch calls of the anchor step, {threads} thread(s), medians of {repeats}")
+    print(f"the loop alone (hot caches): {1e6 * alone:.2f} us")
+    print(f"{'variant':<22} {'us/step':>8} {'added':>7} {'x alone':>8}")
+    for count, name in zip((0, 1, 4), variants, strict=True):
+        added = us[name] - us["the step"]
+        times = f"{added / (count * 1e6 * alone):>8.1f}" if count else ""
+        print(f"{name:<22} {us[name]:>8.1f} {added:>+7.1f} {times}")
+
+
 def main() -> None:
     p = parser(__doc__)
     p.set_defaults(threads=1, steps=None, warmup=None, repeats=None)
@@ -607,6 +679,9 @@ def main() -> None:
     p.add_argument("--phases", action="store_true", help="a run's one-off costs, phase by phase (no loop)")
     p.add_argument(
         "--run-parts", action="store_true", help="whole runs split into fixed and per-step parts, services taken out"
+    )
+    p.add_argument(
+        "--between-ops", action="store_true", help="what a little Python costs between a step's torch calls"
     )
     args = p.parse_args()
     # Paired: fewer, longer runs (each pair is its own comparison); whole runs: many.
@@ -625,6 +700,8 @@ def main() -> None:
         return main_phases()
     if args.run_parts:
         return main_run_parts(args.fit_calls or 9)
+    if args.between_ops:
+        return main_between_ops()
     variants: dict[str, dict] = {
         "Trainer bare": {"progress_bar": False},
         "Trainer + progress bar": {"progress_bar": True},

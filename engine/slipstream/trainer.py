@@ -705,8 +705,8 @@ class Trainer:
     def _train_batch(self, batch: Any) -> None:
         state, h, ts = self.state, self._hooks, self.state.timestamp
         batch = state.batch = self._to_device(batch)
-        if type(batch) is not tuple or len(batch) < 2:  # the mover makes a DataLoader's list a tuple
-            check_pair(batch, "training")
+        if type(batch) is not tuple:  # the mover makes a DataLoader's list a tuple
+            check_pair(batch, "training")  # (a tuple of one: compute_loss says it)
         inputs = batch[0]
         samples = (inputs.shape[0] if isinstance(inputs, torch.Tensor) else len(inputs)) * state.world_size
         if h.batch_start:

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from slipstream.distributed import is_distributed
 from slipstream.errors import ConfigError
 from slipstream.hookspecs import hookimpl
+from slipstream.services.batches import check_pair
 from slipstream.state import State
 
 UNUSED_PARAMETERS = (
@@ -43,6 +44,10 @@ class DefaultSteps:
     def compute_loss(self, state: State) -> Any:
         try:
             return state.loss_fn(state.outputs, state.batch[1])
+        except IndexError:
+            if len(state.batch) < 2:
+                check_pair(state.batch, "training")
+            raise
         except (TypeError, AttributeError) as exc:
             if isinstance(state.outputs, (tuple, list, dict)):
                 fix = "return the logits from forward, or give a loss_fn that takes what the model returns"
