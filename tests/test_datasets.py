@@ -355,3 +355,42 @@ def test_eval_and_export_rebuild_a_plugin_datasets_run_from_its_checkpoint(data,
     assert result["samples"] == expected and result["data"] == data[source]["name"]
     assert main(["export", "--checkpoint", str(run), "--format", "torchscript", "-o", str(tmp_path / "m.pt")]) == 0
     assert (tmp_path / "m.pt").is_file()
+
+
+def test_a_shard_cut_short_is_one_line_and_home_is_expanded(data, tmp_path, monkeypatch) -> None:
+    root = data["root"] / "wds"
+    whole = (root / "train-000000.tar").read_bytes()
+    with tarfile.open(root / "train-000000.tar") as tar:
+        last = [m for m in tar.getmembers() if m.name.endswith(".png")][-1]  # an image: not read to index
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(whole[: last.offset_data + last.size // 2])  # inside the last image's data
+    message = _bad(data, urls=str(cut))
+    assert "is cut short" in message or "cannot be read as a tar file" in message
+    cut.write_bytes(whole[: last.offset + 100])  # inside its header: tarfile alone took it for the end
+    assert "is cut short" in _bad(data, urls=str(cut))
+    monkeypatch.setenv("HOME", str(data["root"]))
+    home = built({**data["wds"], "urls": "~/wds/train-{000000..000001}.tar", "eval_urls": "~/wds/val-000000.tar"})
+    assert len(home.train.dataset.shard_sizes) == 2
+
+
+def test_a_resume_with_other_workers_of_a_stream_is_warned_about(data, tmp_path) -> None:
+    fit(data["wds"], tmp_path / "split", "4ba", checkpoint_interval="4ba")
+    latest = tmp_path / "split" / "checkpoints" / "latest.pt"
+    payload = torch.load(latest, weights_only=True)
+    payload["config"] = {**payload["config"], "data": {"num_workers": 1}}  # as a CLI run with 1 worker records
+    torch.save(payload, latest)
+    with pytest.warns(UserWarning, match="data.num_workers=1 and this run has 0: this data's order depends on"):
+        fit(data["wds"], tmp_path / "split", "5ba", load_path=latest)
+
+
+def test_a_last_batch_of_one_sample_is_warned_about_and_named_if_batch_norm_meets_it(tmp_path) -> None:
+    import timm
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.rand(9, 3, 16, 16), torch.arange(9) % 4), batch_size=4)
+    model = timm.create_model("test_resnet", num_classes=4)
+    with pytest.warns(Warning, match="last batch of each epoch holds 1 sample \\(9 samples in batches of 4\\)"):
+        trainer = Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), train_data=loader,
+                          max_duration="1ep", run_dir=tmp_path / "run", progress_bar=False, verbose=False)
+    with pytest.raises(ConfigError, match="a training batch of 1 sample\\(s\\) reached a batch-norm layer"):
+        trainer.fit()

@@ -140,16 +140,22 @@ def index_shard(url: str) -> ShardIndex:
     labels: list[int] = []
     try:
         if _is_local(url):
-            with tarfile.open(_local_path(url), "r:*") as tar:
+            path = _local_path(url)
+            with tarfile.open(path, "r:*") as tar:
+                ends = [0]  # where the last member's data ends
 
                 def local_members() -> Iterator[tuple[str, Any]]:
                     for m in tar:
+                        ends[0] = max(ends[0], m.offset_data + m.size)
                         if m.isreg():
                             ext = split_name(m.name)[1]
                             yield m.name, (tar.extractfile(m).read() if ext == LABEL_EXT else b"")
 
                 for key, parts in _samples(local_members()):
                     labels.append(_label(url, key, parts[LABEL_EXT]))
+                after = tar.offset  # where a next member's header would start
+            if not path.endswith((".gz", ".tgz", ".bz2", ".xz")):
+                _check_whole(url, path, ends[0], after)
         else:
             for key, parts in _samples(_stream_members(url, labels_only=True)):
                 labels.append(_label(url, key, parts[LABEL_EXT]))
@@ -159,6 +165,22 @@ def index_shard(url: str) -> ShardIndex:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise DataError(f"shard {url} cannot be read as a tar file ({reason})") from None
     return ShardIndex(labels)
+
+
+def _check_whole(url: str, path: str, data_end: int, after: int) -> None:
+    """A tar file cut short (an interrupted copy) is read by tarfile as if the archive
+    ended there: the samples after the cut would be left out without a word. Found: a
+    last member whose data runs past the file's end, or a partial header after it (a
+    whole archive has only zero blocks there)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(min(after, size))
+        tail = f.read(2 * tarfile.BLOCKSIZE)
+    if data_end > size or any(tail):
+        raise DataError(
+            f"shard {url} is cut short: it ends at byte {size} without the end of its archive "
+            "(a partial copy?); copy it again, or leave it out of data.urls"
+        )
 
 
 def _stream_members(url: str, labels_only: bool = False) -> Iterator[tuple[str, Any]]:

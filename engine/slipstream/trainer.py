@@ -256,6 +256,15 @@ class Trainer:
             callbacks=list(self.callbacks),
         )
         self.state.batches_per_epoch = _batches_per_epoch(train_data)
+        single = _single_sample_last_batch(train_data)
+        if single and rank == 0:
+            warnings.warn(
+                f"slipstream: the training data's last batch of each epoch holds 1 sample ({single}); "
+                "a model with batch norm cannot train on it: drop it (data.drop_last=true, or "
+                "drop_last=True in the DataLoader) or choose another batch size",
+                ConfigWarning,
+                stacklevel=2,
+            )
         if self.state.batches_per_epoch is None:
             _check_unknown_epoch_length(self.max_duration, o, warn=rank == 0)
         batch_size = getattr(train_data, "batch_size", None)
@@ -964,6 +973,20 @@ def _checked_wrapper(function: Callable[..., Any], plugin: str, step: str) -> Ca
 
     checked._slipstream_checked = True  # type: ignore[attr-defined]
     return checked
+
+
+def _single_sample_last_batch(loader: Any) -> str | None:
+    """What makes ``loader``'s last batch a single sample, when it keeps it (None else)."""
+    batch_size = getattr(loader, "batch_size", None)
+    if getattr(loader, "drop_last", True) or not isinstance(batch_size, int) or batch_size < 2:
+        return None
+    try:
+        samples = getattr(loader, "num_samples", None) or len(loader.dataset)
+    except (TypeError, AttributeError):
+        return None
+    if isinstance(samples, int) and samples % batch_size == 1:
+        return f"{samples} samples in batches of {batch_size}"
+    return None
 
 
 def _why_no_batches(loader: Any) -> str:

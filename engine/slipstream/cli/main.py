@@ -693,11 +693,15 @@ def _data(args: argparse.Namespace) -> int:
         print("slipstream: error: say what to do: slipstream data convert ...", file=sys.stderr)
         return EXIT_USAGE
     shard_size = parse_size(args.shard_size)
-    cls = dataset_class(args.to)
+    try:
+        cls = dataset_class(args.to)
+    except ConfigError as exc:
+        raise ConfigError(f"--to {args.to}: {exc}") from None
     writer = getattr(cls, "convert", None)
     if writer is None:
         raise ConfigError(f"--to {args.to}: the dataset plugin {args.to!r} cannot write shards (it has no convert)")
-    result = writer(args.source, args.src, args.out, shard_size=shard_size, progress=not args.no_progress)
+    src, out = (os.path.expanduser(p) for p in (args.src, args.out))  # '~/data', quoted
+    result = writer(args.source, src, out, shard_size=shard_size, progress=not args.no_progress)
     for split, count in result.get("samples", {}).items():
         print(f"{split}: {count} images in {result['shards'][split]} shards")
     keys = " ".join(f"'data.{k}={result[k]}'" for k in ("urls", "eval_urls") if k in result)

@@ -569,6 +569,8 @@ _READ_ONLY_BY = (
     ("data.val_size", ("synthetic",), "data.name"),
     ("data.root", ("cifar10", "cifar100", "imagefolder"), "data.name"),
     ("data.download", ("cifar10", "cifar100"), "data.name"),
+    # A stream's loader starts its workers each epoch (its split of the epoch is per epoch).
+    ("data.persistent_workers", ("synthetic", "cifar10", "cifar100", "imagefolder", "huggingface"), "data.name"),
     ("optimizer.momentum", ("sgd",), "optimizer.name"),
     ("optimizer.nesterov", ("sgd",), "optimizer.name"),
     ("optimizer.betas", ("adamw",), "optimizer.name"),

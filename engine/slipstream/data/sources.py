@@ -16,6 +16,7 @@ engine converts batches to float and normalises them on the device with ``stats`
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -191,5 +192,16 @@ def build_dataset_plugin(data: dict[str, Any], installed: dict[str, Any] | None 
     cls = dataset_class(str(data.get("name")), installed)
     engine_keys = {f.name for f in dataclasses.fields(DataConfig)}
     own = set(dataset_keys(cls))
-    options = {k: v for k, v in data.items() if k in own or k not in engine_keys}
+    options = {k: _home(v) for k, v in data.items() if k in own or k not in engine_keys}
     return cls(dataset_config(cls, options))
+
+
+def _home(value: Any) -> Any:
+    """``~`` at the start of a path (or of each of a list of them) is the home folder, as
+    a shell would make it: quoted, as docs/data.md writes a brace pattern, it reaches us
+    as written."""
+    if isinstance(value, str) and value.startswith("~"):
+        return os.path.expanduser(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_home(v) for v in value)
+    return value

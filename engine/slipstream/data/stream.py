@@ -216,6 +216,10 @@ class StreamLoader:
         self.num_samples = int(sum(source.shard_sizes))
         self.dataset = source
 
+    # Its batches are split among its workers (see the module's docstring): a resume
+    # with another data.num_workers does not continue the order the run had.
+    order_depends_on_workers = True
+
     @property
     def sampler(self) -> StreamLoader:
         return self

@@ -530,6 +530,28 @@ def restore_checkpoint(
         moved = batch_size_changed(path, saved_world, saved_batch, state)
         if moved:
             warnings.warn(moved, stacklevel=2)
+    saved_workers = ((payload.get("config") or {}).get("data") or {}).get("num_workers")
+    workers = getattr(state.train_loader, "num_workers", None)
+    if (
+        getattr(state.train_loader, "order_depends_on_workers", False)
+        and isinstance(saved_workers, int)
+        and isinstance(workers, int)
+        and saved_workers != workers
+        and state.rank == 0
+    ):
+        ts = state.timestamp
+        rest = (
+            f"the rest of epoch {ts.epoch} is split among {max(1, workers)} worker(s), so some of its samples "
+            "are seen twice and others not at all, and "
+            if ts.batch_in_epoch
+            else ""
+        )
+        warnings.warn(
+            f"slipstream: {path} was written with data.num_workers={saved_workers} and this run has "
+            f"{workers}: this data's order depends on its workers, so {rest}later epochs come in another "
+            f"order than that run's; resume with data.num_workers={saved_workers} to continue it exactly",
+            stacklevel=2,
+        )
     if verbose:
         ts = state.timestamp
         print(

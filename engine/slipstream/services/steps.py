@@ -39,6 +39,15 @@ class DefaultSteps:
             if "find_unused_parameters" in str(exc):  # DDP, at the step after the one that failed
                 raise ConfigError(UNUSED_PARAMETERS) from None
             raise
+        except ValueError as exc:
+            if "Expected more than 1 value per channel when training" in str(exc):
+                raise ConfigError(
+                    f"a training batch of {len(state.batch[0])} sample(s) reached a batch-norm layer, which "
+                    "needs more than one value per channel: the last, partial batch of an epoch with "
+                    "data.drop_last=false (or drop_last=False in a DataLoader); drop it (data.drop_last=true), "
+                    "or choose a batch size that leaves no single sample over"
+                ) from None
+            raise
 
     @hookimpl(trylast=True)
     def compute_loss(self, state: State) -> Any:
