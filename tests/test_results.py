@@ -295,7 +295,31 @@ def test_compare_with_no_accuracy_shows_dashes(tmp_path: Path) -> None:
     run = load_run(make_run(tmp_path, "noeval", accuracies=()))
     row = compare_runs_json([run])[0]
     assert row["final_accuracy_pct"] is None and row["best_accuracy_pct"] is None
-    assert compare_runs([run]).splitlines()[-1].split()[3:5] == ["-", "-"]
+    table = compare_runs([run]).splitlines()
+    assert table[2].split()[3:5] == ["-", "-"]
+    assert table[-1] == "no time to accuracy: the first run has no evaluation; give --target (e.g. 0.6)"
+
+
+def test_a_wall_time_speed_up_is_shown_only_between_runs_of_the_same_work(tmp_path: Path) -> None:
+    base = make_run(tmp_path, "base", accuracies=(0.5, 0.8), eval_elapsed=(20.0, 40.0))
+    half = make_run(tmp_path, "half", accuracies=(0.6,), eval_elapsed=(10.0,))
+    for path, samples in ((base, 2048), (half, 1024)):
+        summary = json.loads((path / "summary.json").read_text())
+        (path / "summary.json").write_text(json.dumps({**summary, "samples": samples}))
+    rows = compare_runs_json([load_run(base), load_run(half)])
+    assert rows[1]["speedup"] is None and rows[1]["time_to_target_s"] is None  # 60 % < the 80 % target
+    assert "only for runs that trained as many samples" in compare_runs([load_run(base), load_run(half)])
+
+
+def test_a_run_without_a_summary_reads_its_rates_from_its_log(tmp_path: Path) -> None:
+    from slipstream.run.results import _logged_rates
+
+    # A warm-up interval of 2 steps at 70/s, then 14 steps at 450/s: 16 steps in 2/70 + 14/450.
+    records = [{"step": 2, "samples_per_s": 70.0, "mfu": 0.01}, {"step": 16, "samples_per_s": 450.0, "mfu": 0.05}]
+    rate, mfu = _logged_rates(records)
+    first, rest = 2 / 70.0, 14 / 450.0
+    assert rate == pytest.approx(16 / (first + rest))  # not the plain mean, 260
+    assert mfu == pytest.approx((0.01 * first + 0.05 * rest) / (first + rest))
 
 
 # --------------------------------------------------------------------------- time to accuracy

@@ -165,6 +165,16 @@ def test_a_failed_trial_is_replaced_not_counted(tmp_path, recipe):
     assert result.best_recipe is not None
 
 
+def test_a_sweep_whose_trials_all_fail_exits_1_and_says_so_in_one_line(tmp_path, recipe, capfd):
+    root = tmp_path / "failing"
+    code = main(["sweep", "--recipe", str(recipe), "--trials", "1", "--sweep-dir", str(root),
+                 "optimizer.lr=choice(1.0e+30,2.0e+30)", "trainer.max_duration=1ep"])  # fmt: skip
+    err = capfd.readouterr().err
+    assert code == 1 and "stopped after 3 failed trials, 1 trial short" in err
+    assert "Traceback" not in err  # optuna's own report of each failure is left out
+    assert not (root / "best.yaml").exists()
+
+
 def test_a_failed_trial_shows_no_metric_to_rank(tmp_path):
     study = optuna.create_study(direction="minimize")
     trial = study.ask()

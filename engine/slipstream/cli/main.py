@@ -554,7 +554,7 @@ def _sweep(args: argparse.Namespace) -> int:
         ) from None
     recipe = args.recipe or DEFAULT_RECIPE
     sweep_dir = args.sweep_dir or new_run_dir(f"sweep-{Path(recipe).stem}")
-    run_sweep(
+    result = run_sweep(
         recipe,
         args.trials,
         sweep_dir,
@@ -563,6 +563,8 @@ def _sweep(args: argparse.Namespace) -> int:
         direction=args.direction,
         pruner_startup_trials=args.pruner_startup_trials,
     )
+    if result.short:  # the sweep did not do what was asked (and best.yaml may be missing)
+        return EXIT_FAILED
     return 0
 
 

@@ -181,6 +181,7 @@ class SweepResult:
     study: optuna.Study
     rows: list[dict[str, Any]]
     best_recipe: Path | None
+    short: int = 0  # trials asked for that no trial finished (each failed)
 
 
 def run_sweep(
@@ -232,7 +233,8 @@ def run_sweep(
 
     root = Path(sweep_dir)
     root.mkdir(parents=True, exist_ok=True)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # A failed trial is told in one line below; optuna's own warning adds its traceback.
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     study = optuna.create_study(
         study_name="slipstream",
         storage=f"sqlite:///{(root / STUDY_DB).resolve()}",
@@ -284,7 +286,7 @@ def run_sweep(
         print(format_trials(rows))
         if best is not None:
             print(f"best recipe: {best}  (slipstream train --recipe {best})")
-    return SweepResult(study, rows, best)
+    return SweepResult(study, rows, best, short=remaining)
 
 
 def _check_trial_config(recipe: str | Path, overrides: list[str]) -> Any:

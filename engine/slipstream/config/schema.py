@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from slipstream.config.options import INT64, TrainerOptions, config_dataclass
 from slipstream.config.recipes import find_recipe
+from slipstream.duration import Duration
 from slipstream.errors import ConfigError, ConfigWarning, did_you_mean
 
 
@@ -578,6 +579,16 @@ _READ_ONLY_BY = (
 )
 
 
+def _only_at_the_end(interval: Any, max_duration: Any) -> bool:
+    try:
+        every, total = Duration.parse(interval), Duration.parse(max_duration)
+    except (ValueError, TypeError):
+        return False
+    if every.unit == "dur":
+        return every.value >= 1
+    return every.unit == total.unit and every.value >= total.value
+
+
 def warn_no_ops(cfg: DictConfig) -> None:
     """Warn about settings changed from their default that this run would ignore."""
     defaults = OmegaConf.structured(RunConfig)
@@ -607,6 +618,11 @@ def warn_no_ops(cfg: DictConfig) -> None:
             ignored.append("trainer.target_accuracy is never reached: trainer.eval_interval=null")
         if "early_stopping" in (cfg.get("callbacks") or {}):
             ignored.append("callbacks.early_stopping never stops the run: trainer.eval_interval=null")
+    elif "early_stopping" in (cfg.get("callbacks") or {}) and _only_at_the_end(t.eval_interval, t.max_duration):
+        ignored.append(
+            f"callbacks.early_stopping never stops the run: trainer.eval_interval={t.eval_interval} evaluates "
+            f"only at its end (max_duration={t.max_duration}), and the final evaluation never stops a run"
+        )
     classes = known_num_classes(cfg)
     if classes is not None and classes < 5:
         if t.best_metric == "accuracy_top5":

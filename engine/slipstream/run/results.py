@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -303,7 +303,9 @@ def compare_runs_json(runs: Sequence[Run], target: float | None = None) -> list[
             # A run that diverged (or failed) trained nothing worth a speed-up: its
             # status says what happened, no figure stands for it.
             failed = row["status"] in NO_RESULT or base["status"] in NO_RESULT
-            row["speedup"] = None if failed else _ratio(base["wall_time_s"], row["wall_time_s"])
+            # A wall-time ratio says how much sooner only between runs of the same work.
+            other_work = None not in (row["samples"], base["samples"]) and row["samples"] != base["samples"]
+            row["speedup"] = None if failed or other_work else _ratio(base["wall_time_s"], row["wall_time_s"])
             row["time_to_target_speedup"] = _ratio(
                 base["time_to_target_s"], row["time_to_target_s"]
             )
@@ -351,11 +353,11 @@ def _row(run: Run) -> dict[str, Any]:
         wall = max(elapsed) if elapsed else None
 
     throughput = _number(summary.get("samples_per_s"))
-    if throughput is None:
-        throughput = _mean(_number(r.get("samples_per_s")) for r in run.train)
     mfu = _number(summary.get("mfu"))
-    if mfu is None:
-        mfu = _mean(_number(r.get("mfu")) for r in run.train)
+    if throughput is None or mfu is None:  # a run that died or runs on: its log fills in
+        logged_rate, logged_mfu = _logged_rates(run.train)
+        throughput = logged_rate if throughput is None else throughput
+        mfu = logged_mfu if mfu is None else mfu
 
     return {
         "run": run.name,
@@ -367,14 +369,33 @@ def _row(run: Run) -> dict[str, Any]:
         "samples_per_s": throughput,
         "mfu": mfu,
         "peak_memory_mb": _number(summary.get("peak_memory_mb")),
+        "samples": _number(summary.get("samples")),
         "status": summary.get("status"),
         "path": str(run.path),
     }
 
 
-def _mean(values: Iterable[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return sum(known) / len(known) if known else None
+def _logged_rates(records: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """The run's samples/s and MFU from its train records, as summary.json would give
+    them: each record's rate holds for its own steps, so the run's is their total over
+    the time they took (a plain mean of the rates weighs a short warm-up interval as
+    much as the rest of the run, and read twice the true rate)."""
+    steps = seconds = flop_seconds = mfu_seconds = 0.0
+    last = 0.0
+    for record in records:
+        step, rate, mfu = (_number(record.get(k)) for k in ("step", "samples_per_s", "mfu"))
+        if step is None or rate is None or rate <= 0 or step <= last:
+            continue
+        taken = (step - last) / rate  # in the time unit of one sample per step; the ratio is what counts
+        steps += step - last
+        seconds += taken
+        if mfu is not None:
+            flop_seconds += mfu * taken
+            mfu_seconds += taken
+        last = step
+    if not seconds:
+        return None, None
+    return steps / seconds, (flop_seconds / mfu_seconds if mfu_seconds else None)
 
 
 def _algorithm_names(run: Run) -> list[str]:
@@ -427,4 +448,9 @@ def compare_runs(runs: Sequence[Run], target: float | None = None) -> str:
 
     lines = [render(cells[0]), "  ".join("-" * w for w in widths)]
     lines += [render(line) for line in cells[1:]]
+    if any(row["speedup"] is None and row["status"] not in NO_RESULT for row in rows[1:]):
+        lines.append("speed-up: the first run's wall time over this one's, only for runs that trained as "
+                     "many samples; a run of other length compares by time to accuracy")
+    if pct is None:
+        lines.append("no time to accuracy: the first run has no evaluation; give --target (e.g. 0.6)")
     return "\n".join(lines)
