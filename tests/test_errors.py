@@ -275,6 +275,17 @@ def test_a_plugins_warning_from_its_hook_is_one_line_too(capsys, tmp_path):
     assert "pluggy" not in err and "UserWarning" not in err, err
 
 
+def test_a_plugins_warning_from_its_own_module_is_one_line_too(capsys):
+    from slipstream.cli.main import _show_warning
+
+    shown = []
+    show = _show_warning(lambda *args, **kwargs: shown.append(args))
+    show(UserWarning("torch_compile: compiling took 4.1 s"), UserWarning, "/site/slipstream_torch_compile.py", 276)
+    assert capsys.readouterr().err == "slipstream: warning: torch_compile: compiling took 4.1 s\n"
+    show(UserWarning("a library's"), UserWarning, "/site/somelib.py", 1)
+    assert shown and capsys.readouterr().err == ""  # a library's warning as Python shows it
+
+
 # -- a plugin that exits at import ----------------------------------------------------------
 
 

@@ -359,10 +359,10 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
 
 def _show_warning(default: Any) -> Any:
     """Slipstream's own warnings as one line each (rank 0 only): config warnings, those
-    raised in the engine's package, those whose message says ``slipstream:`` and those
-    a plugin's hook raises (which point into pluggy, the plugin's caller: a path there
-    would tell the user nothing); others (a library's) as Python shows them, naming the
-    file that raised them."""
+    raised in the engine's package or a plugin's module (``slipstream_<name>.py``), those
+    whose message says ``slipstream:`` and those a plugin's hook raises (which point into
+    pluggy, the plugin's caller: a path there would tell the user nothing); others (a
+    library's) as Python shows them, naming the file that raised them."""
     package = str(Path(__file__).resolve().parents[1]) + os.sep  # slipstream/, not slipstream/cli/
 
     def show(message: Any, category: type, filename: str, *args: Any, **kwargs: Any) -> None:
@@ -371,6 +371,8 @@ def _show_warning(default: Any) -> Any:
             or str(message).startswith("slipstream: ")
             or (category is UserWarning and str(Path(filename).resolve()).startswith(package))
             or (issubclass(category, UserWarning) and "pluggy" in Path(filename).parts)
+            # A plugin's own module (slipstream_<name>.py), its warning raised where it is
+            or (issubclass(category, UserWarning) and Path(filename).name.startswith("slipstream_"))
         )
         if not ours:
             default(message, category, filename, *args, **kwargs)
