@@ -557,8 +557,12 @@ class Trainer:
                     resume_summary(state, written_in.metrics, self.target)
             # Resumed at its end (a requeued job that had finished), or fit() again: nothing
             # is left, unless a signal stopped the run in its last batch, before its end
-            # (the final evaluation and summary), which then runs now.
-            if state.is_done() and not self._ends_an_interrupted_run():
+            # (the final evaluation and summary), which then runs now with the rates of
+            # the session that trained.
+            finished = self._finished_summary() if state.is_done() else None
+            if finished is not None and self.load_path is not None and finished.get("status") == "interrupted":
+                self.summary_writer.carried = finished
+            elif finished is not None:
                 ts = state.timestamp
                 where = self.load_path if self.load_path is not None and ts.batch else "this Trainer"
                 if state.rank == 0:
@@ -572,7 +576,7 @@ class Trainer:
                 # Nothing runs and nothing is written: another final evaluation and a
                 # summary of a session that trained nothing (0 samples/s) would overwrite
                 # the finished run's.
-                self.summary = self._finished_summary()
+                self.summary = finished
                 return self.summary
             self._wrap_distributed()
             self._share_clock = self._shared_clock()
@@ -615,15 +619,6 @@ class Trainer:
         if self.verbose and state.stop_reason:
             print(f"slipstream: {state.stop_reason}", file=sys.stderr)
         return self.summary
-
-    def _ends_an_interrupted_run(self) -> bool:
-        if self.load_path is None:
-            return False
-        finished = self._finished_summary()
-        if finished.get("status") != "interrupted":
-            return False
-        self.summary_writer.carried = finished
-        return True
 
     def _finished_summary(self) -> dict[str, Any]:
         """The summary of a run already at its end: this Trainer's own after an earlier
@@ -714,7 +709,7 @@ class Trainer:
     def _train_batch(self, batch: Any) -> None:
         state, h, ts = self.state, self._hooks, self.state.timestamp
         batch = state.batch = self._to_device(batch)
-        if type(batch) is not tuple:  # the mover makes a DataLoader's list a tuple
+        if type(batch) is not tuple or not batch:  # the mover makes a DataLoader's list a tuple
             check_pair(batch, "training")  # (a tuple of one: compute_loss says it)
         inputs = batch[0]
         samples = (inputs.shape[0] if isinstance(inputs, torch.Tensor) else len(inputs)) * state.world_size

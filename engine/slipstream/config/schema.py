@@ -158,15 +158,21 @@ def load_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]
                     stacklevel=2,
                 )
             inherited.pop(name, None)
-    for key in _EMPTIED:  # an empty mapping given here replaces the parent's, it does not merge into it
-        section, field = key.split(".")
-        if (raw.get(section) or {}).get(field) == {} and isinstance(base.get(section), dict):
-            base[section].pop(field, None)
+    for section, key in _emptied(raw):  # an empty mapping given here replaces the parent's
+        if isinstance(base.get(section), dict):
+            base[section].pop(key, None)
     return OmegaConf.to_container(OmegaConf.merge(base, raw))  # type: ignore[return-value]
 
 
 # Mappings of a section that a recipe or override may empty with {}.
 _EMPTIED = ("model.kwargs", "optimizer.kwargs", "loss.kwargs")
+
+
+def _emptied(layer: dict[str, Any]) -> list[tuple[str, str]]:
+    """(section, key) of each :data:`_EMPTIED` mapping that ``layer`` gives as ``{}``:
+    it replaces the one below it, where a merge would keep that one."""
+    pairs = [tuple(key.split(".")) for key in _EMPTIED]
+    return [(section, key) for section, key in pairs if (layer.get(section) or {}).get(key) == {}]
 
 
 def _recipe_plugins(raw: dict[str, Any], source: str) -> dict[str, list[str] | None]:
@@ -362,10 +368,8 @@ def build_config(
         section: _plugin_section(merged, section, flag, over.pop(section, None))
         for section, flag in (("algorithms", algorithms), ("callbacks", callbacks))
     }
-    for key in _EMPTIED:  # key={} empties the mapping (later wins), where a merge would keep it
-        section, field = key.split(".")
-        if (over.get(section) or {}).get(field) == {}:
-            merged[section][field] = {}
+    for section, key in _emptied(over):  # key={} empties the mapping (later wins)
+        merged[section][key] = {}
     merged = _merge(merged, over, "command line")
     for section, plugins in chosen.items():
         merged[section] = plugins
@@ -451,7 +455,7 @@ def _resolve_interpolations(cfg: DictConfig) -> None:
 def _merge(base: DictConfig, layer: dict[str, Any], source: str) -> DictConfig:
     for section, schema in SECTIONS.items():
         if isinstance(layer.get(section), dict):
-            _check_switches(layer[section], schema, section, source)
+            _check_shapes(layer[section], schema, section, source)
     try:
         return OmegaConf.merge(base, layer)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
@@ -460,7 +464,7 @@ def _merge(base: DictConfig, layer: dict[str, Any], source: str) -> DictConfig:
         raise ConfigError(f"{source}: bad value for {key}: {message}") from None
 
 
-def _check_switches(values: dict[str, Any], schema: type, prefix: str, source: str) -> None:
+def _check_shapes(values: dict[str, Any], schema: type, prefix: str, source: str) -> None:
     """Values of the shape each key takes, said in the user's words: a true/false setting
     takes true or false (omegaconf would read 2 as true and 0 as false, and the run would
     go on with a setting nobody wrote), a list a list, a mapping or a section a mapping
@@ -483,7 +487,7 @@ def _check_switches(values: dict[str, Any], schema: type, prefix: str, source: s
             if not isinstance(value, dict):
                 some = dataclasses.fields(hint)[0].name
                 raise ConfigError(f"{source}: {name} is a section of keys, not {value!r}; set one as {name}.{some}=...")
-            _check_switches(value, hint, name, source)
+            _check_shapes(value, hint, name, source)
         elif hint is bool and not isinstance(value, bool):
             raise ConfigError(f"{source}: {name} is true or false, got {value!r}")
         elif _origin(hint) in (list, tuple, Sequence) and not isinstance(value, list):

@@ -523,14 +523,15 @@ def restore_checkpoint(
     state.timestamp.load_state_dict(payload["timestamp"])
     set_rng_state(payload["rng"])
     saved_world = payload.get("world_size")
-    saved_batch = ((payload.get("config") or {}).get("data") or {}).get("batch_size")
+    saved_data = (payload.get("config") or {}).get("data") or {}
+    saved_batch = saved_data.get("batch_size")
     if isinstance(saved_world, int) and saved_world != state.world_size and state.rank == 0:
         warnings.warn(world_size_changed(path, saved_world, state, saved_batch), stacklevel=2)
     elif isinstance(saved_world, int) and state.rank == 0:
         moved = batch_size_changed(path, saved_world, saved_batch, state)
         if moved:
             warnings.warn(moved, stacklevel=2)
-    saved_workers = ((payload.get("config") or {}).get("data") or {}).get("num_workers")
+    saved_workers = saved_data.get("num_workers")
     workers = getattr(state.train_loader, "num_workers", None)
     if (
         getattr(state.train_loader, "order_depends_on_workers", False)
