@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from slipstream.services.cpu_kind import ENV as CPU_KIND_ENV
+
 # Tests share small helpers (tiny data, tiny models, a recording probe plugin).
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -30,3 +32,43 @@ def _cache_outside_home(tmp_path_factory):
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
         os.environ["XDG_CACHE_HOME"] = previous
+
+
+# The CPU kinds a test that takes the `cpu_kind` fixture runs under, whatever this
+# machine is (docs/contributing.md). "other" (not x86-64) asks oneDNN, so is left out.
+CPU_KINDS = ("avx2", "avx512", "avx512_bf16", "amx")
+
+
+@pytest.fixture(params=CPU_KINDS)
+def cpu_kind(request, monkeypatch) -> str:
+    """Run the test as if on each CPU kind: the engine's detector (slipstream.cpu_kind)
+    answers this kind, here and in the CLI subprocesses the test starts."""
+    monkeypatch.setenv(CPU_KIND_ENV, request.param)
+    return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    # `-m cpu_kind` selects the kind-dependent tests; everything else runs once.
+    for item in items:
+        if "cpu_kind" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cpu_kind)
+
+
+@pytest.fixture(autouse=True)
+def _variants_fixed_unless_marked_autotune(request, monkeypatch):
+    """A run in a test measures `auto` variants only where the test is marked
+    `autotune`: elsewhere which variant wins would depend on the machine's speed and
+    load (and, through the shared cache, on which test measured first). So every other
+    in-process run takes each plugin's fallback, as with `trainer.autotune=false`: NHWC
+    for channels_last, and for mixed_precision bf16 where the CPU kind has bf16 units,
+    fp32 elsewhere. (A CLI run in a subprocess passes `trainer.autotune=false` itself.)"""
+    if request.node.get_closest_marker("autotune"):
+        return
+    from slipstream import trainer
+
+    choose = trainer.choose_variants
+
+    def fixed(*args, **kwargs):
+        return choose(*args, **{**kwargs, "measure_on": False})
+
+    monkeypatch.setattr(trainer, "choose_variants", fixed)

@@ -13,6 +13,16 @@ from torch.utils.data import DataLoader, TensorDataset
 from slipstream import Algorithm, Trainer, hookimpl
 from slipstream.hookspecs import EVENTS
 
+# Warnings are lines of their own (`slipstream: warning: ...`) and may come before an
+# error from something the test is not about: the CPU kind's (mixed_precision's "this
+# CPU has no bf16 units"), a library's. A test of an error's one line counts the rest.
+WARNING_PREFIX = "slipstream: warning: "
+
+
+def error_lines(err: str) -> list[str]:
+    """``err``'s non-empty lines less the engine's warnings: what a one-line error test counts."""
+    return [line for line in err.strip().splitlines() if line and not line.startswith(WARNING_PREFIX)]
+
 
 def tiny_loaders(
     n: int = 64, image_size: int = 16, batch_size: int = 16, num_classes: int = 4, seed: int = 0

@@ -18,6 +18,33 @@ from slipstream import Algorithm, ConfigError, Trainer, Variant, hookimpl
 from slipstream.plugins.variants import cache_path, pick
 
 FAST = {"autotune_warmup": 1, "autotune_steps": 2}
+# Every test here measures variants on purpose (tests/conftest.py refuses it elsewhere).
+pytestmark = pytest.mark.autotune
+# What the slow variant adds to each of its steps on the measurement's clock: far more
+# than a step of this file's tiny model takes on any machine however loaded, so the
+# outcome does not depend on the machine's speed (a real sleep of 50 ms lost to the
+# fast variant's stalls under a loaded xdist run).
+SLOW_STEP_S = 10.0
+
+
+class _MeasuringClock:
+    """The engine's measurement clock (``variants.time``): real time plus what the slow
+    variants added."""
+
+    added = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.added
+
+
+CLOCK = _MeasuringClock()
+
+
+@pytest.fixture(autouse=True)
+def _measuring_clock(monkeypatch):
+    from slipstream.plugins import variants
+
+    monkeypatch.setattr(variants, "time", CLOCK)
 
 
 class Fused(Algorithm):
@@ -40,13 +67,11 @@ class Fused(Algorithm):
     @hookimpl(wrapper=True)
     def forward(self, state):
         if self.variant == self.slow:
-            # Time that other processes on the CPU cannot take away (arithmetic here
-            # lost to the fast variant under a loaded xdist run: every timed step of the
-            # fast one stalled longer than the ~10 ms of matmuls), and draws from the
-            # run's random streams: the measurement's steps must not move them.
+            # Time on the measurement's clock, and draws from the run's random streams:
+            # the measurement's steps must not move them.
             torch.rand(1)
             random.random()
-            time.sleep(0.05)
+            CLOCK.added += SLOW_STEP_S
         return (yield)
 
 
@@ -163,16 +188,14 @@ def test_reduced_precision_needs_a_clear_margin():
     assert pick({"mp=fp32": 1.0}, combos, margins) == {"mp": "fp32"}
 
 
-def test_mixed_precision_declares_only_where_the_device_has_a_reduced_precision(monkeypatch):
-    import slipstream_mixed_precision as mp
-
+def test_mixed_precision_declares_only_where_the_device_has_a_reduced_precision(cpu_kind):
     state = type("S", (), {"device": torch.device("cpu")})()
-    monkeypatch.setattr(mp, "cpu_has_native_bf16", lambda: True)
-    assert [v.name for v in MixedPrecision().variants(state)] == ["bf16", "fp32"]
-    assert MixedPrecision().variants(state)[0].margin == pytest.approx(0.1)
     assert MixedPrecision(MixedPrecisionConfig(dtype="bf16")).variants(state) == []
-    monkeypatch.setattr(mp, "cpu_has_native_bf16", lambda: False)
-    assert MixedPrecision().variants(state) == []  # emulated bf16: fp32, unmeasured
+    if cpu_kind in ("avx512_bf16", "amx"):
+        assert [v.name for v in MixedPrecision().variants(state)] == ["bf16", "fp32"]
+        assert MixedPrecision().variants(state)[0].margin == pytest.approx(0.1)
+    else:
+        assert MixedPrecision().variants(state) == []  # emulated bf16: fp32, unmeasured
 
 
 def test_bad_autotune_settings_are_config_errors(tmp_path):

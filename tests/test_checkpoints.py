@@ -279,9 +279,20 @@ def test_sigterm_ends_the_run_cleanly_with_a_checkpoint(tmp_path):
     assert "fit_end" in probe.events
 
 
-def test_wall_clock_budget_ends_cleanly_and_dur_is_the_fraction_of_the_budget(tmp_path):
+def test_wall_clock_budget_ends_cleanly_and_dur_is_the_fraction_of_the_budget(tmp_path, monkeypatch):
+    # A fake clock on which each batch takes 0.125 s (exact in binary): how fast this machine trains
+    # cannot change where the 1 s budget ends.
+    from types import SimpleNamespace
+
+    from slipstream import state as state_module
+
+    now = [0.0]
+    monkeypatch.setattr(state_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     fractions = []
-    probe = Probe(batch_end=lambda s: fractions.append(s.time_in("dur")))
+    probe = Probe(
+        batch_start=lambda s: now.__setitem__(0, now[0] + 0.125),
+        batch_end=lambda s: fractions.append(s.time_in("dur")),
+    )
     train_data, eval_data = tiny_loaders()
     model = tiny_model()
     trainer = Trainer(
@@ -300,8 +311,9 @@ def test_wall_clock_budget_ends_cleanly_and_dur_is_the_fraction_of_the_budget(tm
     )
     summary = trainer.fit()
     assert summary["status"] == "completed"
-    assert 1.0 <= trainer.state.timestamp.elapsed_s < 3.0
-    assert fractions == sorted(fractions) and fractions[-1] == 1.0 and fractions[0] < 0.5
+    assert trainer.state.timestamp.batch == 8  # 8 batches of 0.125 s: the budget, to the batch
+    assert trainer.state.timestamp.elapsed_s == pytest.approx(1.0)
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0 and fractions[0] == 0.125
 
 
 def test_a_resumed_runs_throughput_counts_its_own_session(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ Part 2 (pairs) and 3 (DDP, fsdp) are their own files, so xdist can spread them."
 import pytest
 
 from compat_setup import COMMAND, DOC, FIVE, PROBES, SETTINGS, classes
+from helpers import error_lines
 from slipstream.plugins.compatibility import (
     MODELS,
     OPTIMIZERS,
@@ -87,5 +88,5 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, says, capsys, tmp_path):
     from slipstream.cli.main import main
 
     assert main(["compatibility", *argv, "--no-distributed"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert says in err and len(err.splitlines()) == 1, err
+    err = capsys.readouterr().err
+    assert says in err and len(error_lines(err)) == 1, err

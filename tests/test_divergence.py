@@ -117,7 +117,7 @@ def test_the_cli_reports_a_learning_rate_of_1e12_as_diverged(tmp_path):
         [sys.executable, "-m", "slipstream", "train", "--quiet", "model.name=test_resnet",
          "data.train_size=64", "data.val_size=32", "data.image_size=16", "data.batch_size=16",
          "trainer.threads=1", "trainer.max_duration=3ep", "trainer.checkpoint_interval=1ba",
-         "optimizer.name=sgd", "optimizer.lr=1e12", f"trainer.run_dir={run_dir}"],
+         "optimizer.name=sgd", "optimizer.lr=1e12", "trainer.autotune=false", f"trainer.run_dir={run_dir}"],
         capture_output=True, text=True,
     )
     assert result.returncode == 3, result.stderr

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import fake_distribution, train
+from helpers import error_lines, fake_distribution, train
 from slipstream import CheckpointError, ConfigError
 from slipstream.cli.main import main
 from slipstream.config.options import TrainerOptions, check_output_dir
@@ -44,7 +44,7 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 def assert_clean(code: int, err: str, *fragments: str, expected: int = 2) -> None:
     assert code == expected, err
     assert "Traceback" not in err
-    errors = [line for line in err.splitlines() if not line.startswith("slipstream: warning: ")]
+    errors = error_lines(err)
     assert len(errors) == 1 and errors[0].startswith("slipstream: error: "), err
     for fragment in fragments:
         assert fragment in err, err

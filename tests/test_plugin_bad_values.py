@@ -15,6 +15,7 @@ import typing
 
 import pytest
 
+from helpers import error_lines
 from slipstream import check_value, plugin_option
 from slipstream.cli.main import main
 from slipstream.plugins.checks import check_plugin_options, option_rule
@@ -108,7 +109,7 @@ def test_every_bad_option_value_is_one_line_exit_2_and_writes_nothing(tmp_path, 
             + [f"{kind}s.{name}.{key}={value}", f"trainer.run_dir={run_dir}"]
         )
         out, err = capsys.readouterr()
-        lines = err.strip().splitlines()
+        lines = error_lines(err)
         ok = (
             code == 2
             and len(lines) == 1

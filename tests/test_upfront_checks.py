@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import error_lines
 from slipstream.cli.main import main
 from slipstream.config.schema import build_config
 from slipstream.errors import ConfigWarning
@@ -22,7 +23,7 @@ LR = "optimizer.lr=uniform(0.1,0.2)"
 
 
 def _one_line_exit_2(code, capsys, *fragments):
-    err = capsys.readouterr().err.strip().splitlines()
+    err = error_lines(capsys.readouterr().err)
     assert code == 2 and len(err) == 1, err
     for fragment in fragments:
         assert fragment in err[0], err

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import error_lines
 from slipstream import load_checkpoint
 from slipstream.cli.main import main
 from slipstream.run.checkpoint import save_shards
@@ -36,7 +37,7 @@ TINY = [
 def assert_failed_in_one_line(code: int, err: str, *fragments: str) -> None:
     assert code == 1, err  # the exit code of status `failed`
     assert "Traceback" not in err
-    errors = [line for line in err.splitlines() if not line.startswith("slipstream: warning: ")]
+    errors = error_lines(err)
     assert len(errors) == 1 and errors[0].startswith("slipstream: error: "), err
     for fragment in fragments:
         assert fragment in errors[0], err

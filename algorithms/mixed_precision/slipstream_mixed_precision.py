@@ -27,7 +27,9 @@ from slipstream import (
     Variant,
     check_plugin_options,
     check_value,
+    cpu_kind,
     hookimpl,
+    native_bf16,
     plugin_option,
 )
 
@@ -57,15 +59,11 @@ class MixedPrecisionConfig:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 convolutions and matmuls in hardware (oneDNN's
-    own test: AVX-512 BF16 or AMX). Without it oneDNN is not used for bf16 at all and
-    PyTorch falls back to generic kernels: a CIFAR-stem ResNet-18 step ran 12x slower
-    in bf16 than in fp32 on an AVX2-only AMD EPYC."""
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    try:
-        return bool(check()) if check is not None else False
-    except RuntimeError:  # a build without oneDNN
-        return False
+    """Whether this CPU computes bf16 convolutions and matmuls in hardware (AVX-512 BF16
+    or AMX): :func:`slipstream.native_bf16`, the engine's one detector, which honours
+    ``SLIPSTREAM_CPU_KIND``. Without it PyTorch falls back to generic bf16 kernels: a
+    CIFAR-stem ResNet-18 step ran 12x slower in bf16 than in fp32 on an AVX2-only AMD EPYC."""
+    return native_bf16()
 
 
 def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
@@ -204,7 +202,7 @@ class MixedPrecision(Algorithm):
         if self.dtype == torch.float32:
             # auto on a CPU without bf16 units: the fastest precision here is fp32.
             warnings.warn(
-                "mixed_precision: this CPU has no bf16 units (AVX-512 BF16 or AMX), where "
+                f"mixed_precision: this CPU ({cpu_kind()}) has no bf16 units (AVX-512 BF16 or AMX), where "
                 "bf16 is emulated and several times slower than fp32; training in full "
                 "precision (set dtype: bf16 to force it)",
                 stacklevel=2,
@@ -215,8 +213,8 @@ class MixedPrecision(Algorithm):
             self._guards = keep_1x1_convs_in_fp32(state.unwrapped_model)
         if self.dtype == torch.bfloat16 and self.device_type == "cpu" and not cpu_has_native_bf16():
             warnings.warn(
-                "mixed_precision: dtype bf16 on a CPU without bf16 units (AVX-512 BF16 or "
-                "AMX) is emulated and usually far slower than fp32; dtype auto picks fp32 here",
+                f"mixed_precision: dtype bf16 on a CPU without bf16 units ({cpu_kind()}; AVX-512 BF16 "
+                "or AMX have them) is emulated and usually far slower than fp32; dtype auto picks fp32 here",
                 stacklevel=2,
             )
         if self.dtype == torch.float16:

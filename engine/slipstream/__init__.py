@@ -23,6 +23,9 @@ The public API, which plugins may import:
   functional API.
 - :class:`Variant`: one way an algorithm can run, declared by
   :meth:`Algorithm.variants` for measured ``auto`` (:mod:`slipstream.plugins.variants`).
+- :func:`cpu_kind` / :func:`native_bf16`: what kind of CPU the engine acts on
+  (``avx2``, ``avx512``, ``avx512_bf16``, ``amx``; ``SLIPSTREAM_CPU_KIND`` overrides
+  the detected one) and whether bf16 is computed in hardware there.
 - :func:`parse_duration_option` parses a plugin's duration config key with an
   error that names the algorithm and the key.
 
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
     from slipstream.run.directory import RunDir
     from slipstream.run.tracking import flatten, numbers
     from slipstream.seeds import batch_generator, batch_seed
+    from slipstream.services.cpu_kind import cpu_kind, native_bf16
     from slipstream.state import State, Timestamp, unwrap_model
     from slipstream.trainer import Trainer
 
@@ -74,11 +78,13 @@ _EXPORTS = {
     "batch_generator": "seeds",
     "check_plugin_options": "plugins.checks",
     "check_value": "plugins.checks",
+    "cpu_kind": "services.cpu_kind",
     "batch_seed": "seeds",
     "flatten": "run.tracking",
     "hookimpl": "hookspecs",
     "load_checkpoint": "run.checkpoint",
     "meta_copy": "services.flops",
+    "native_bf16": "services.cpu_kind",
     "numbers": "run.tracking",
     "parse_duration_option": "duration",
     "plugin_option": "plugins.checks",
@@ -108,11 +114,13 @@ __all__ = [
     "batch_generator",
     "check_plugin_options",
     "check_value",
+    "cpu_kind",
     "batch_seed",
     "flatten",
     "hookimpl",
     "load_checkpoint",
     "meta_copy",
+    "native_bf16",
     "numbers",
     "parse_duration_option",
     "plugin_option",

@@ -125,13 +125,9 @@ def test_config_errors():
     assert plugin_config(MixedPrecision, {}).dtype == "auto"
 
 
-def test_resolve_dtype_and_autocast_function(monkeypatch):
-    import slipstream_mixed_precision as mp
-
-    monkeypatch.setattr(mp, "cpu_has_native_bf16", lambda: True)
-    assert resolve_dtype("auto", "cpu") == torch.bfloat16
-    monkeypatch.setattr(mp, "cpu_has_native_bf16", lambda: False)
-    assert resolve_dtype("auto", "cpu") == torch.float32  # no autocast
+def test_resolve_dtype_and_autocast_function(cpu_kind):
+    native = cpu_kind in ("avx512_bf16", "amx")
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)  # fp32: no autocast
     assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("fp16", "cpu") == torch.float16
     with pytest.raises(ValueError, match="dtype must be one of auto, bf16, fp16"):
@@ -293,11 +289,8 @@ def test_cuda_auto_dtype_and_fp16_scaler(tmp_path):
     assert mp.scaler is not None and mp.scaler.get_scale() > 0
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_auto_follows_the_cpus_bf16_units(tmp_path, monkeypatch, native):
-    import slipstream_mixed_precision as mp
-
-    monkeypatch.setattr(mp, "cpu_has_native_bf16", lambda: native)
+def test_auto_follows_the_cpus_bf16_units(tmp_path, cpu_kind):
+    native = cpu_kind in ("avx512_bf16", "amx")
     probe, seen = dtype_probe()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -312,16 +305,16 @@ def test_auto_follows_the_cpus_bf16_units(tmp_path, monkeypatch, native):
         assert seen["conv"] == seen["outputs"] == seen["eval"] == {torch.float32}
         assert trainer.summary["autocast_dtype"] == "fp32"
         assert trainer.state.autocast_dtype is None
-        assert len(told) == 1
+        assert len(told) == 1 and f"this CPU ({cpu_kind})" in told[0]
 
 
-def test_explicit_bf16_on_a_cpu_without_bf16_units_warns(tmp_path, monkeypatch):
-    import slipstream_mixed_precision as mp
-
-    monkeypatch.setattr(mp, "cpu_has_native_bf16", lambda: False)
+def test_explicit_bf16_warns_only_on_a_cpu_without_bf16_units(tmp_path, cpu_kind):
     probe, seen = dtype_probe()
-    with pytest.warns(UserWarning, match="emulated"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         train(tmp_path, [MixedPrecision(MixedPrecisionConfig(dtype="bf16")), probe], max_duration="1ba")
+    told = [str(w.message) for w in caught if "emulated" in str(w.message)]
+    assert len(told) == (0 if cpu_kind in ("avx512_bf16", "amx") else 1), told
     assert seen["conv"] == {torch.bfloat16}  # the user asked for it: honoured
 
 

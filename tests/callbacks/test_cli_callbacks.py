@@ -18,6 +18,7 @@ TINY = [
     "data.batch_size=16",
     "trainer.threads=1",
     "trainer.progress_bar=false",
+    "trainer.autotune=false",  # also run in a subprocess, where tests/conftest.py cannot fix the variants
 ]
 
 # One interpreter (each start pays ~3 s of imports): `slipstream callbacks --json`,
