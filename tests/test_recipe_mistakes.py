@@ -76,7 +76,7 @@ def test_a_bare_name_is_the_bundled_recipe_even_beside_a_file_of_that_name(tmp_p
     monkeypatch.chdir(tmp_path)
     _recipe(tmp_path, "model: {name: test_resnet}\n", "default.yaml")
     with pytest.warns(ConfigWarning, match="recipe 'default' is the bundled one, not the file default.yaml"):
-        assert build_config("default").model.name == "resnet18"
+        assert build_config("default").model.name == "resnet10t"
     assert build_config("./default.yaml").model.name == "test_resnet"
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConfigWarning)
