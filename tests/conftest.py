@@ -54,21 +54,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cpu_kind)
 
 
-@pytest.fixture(autouse=True)
-def _variants_fixed_unless_marked_autotune(request, monkeypatch):
+_measuring = {"allowed": False}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _variants_fixed_unless_marked_autotune():
     """A run in a test measures `auto` variants only where the test is marked
     `autotune`: elsewhere which variant wins would depend on the machine's speed and
     load (and, through the shared cache, on which test measured first). So every other
     in-process run takes each plugin's fallback, as with `trainer.autotune=false`: NHWC
     for channels_last, and for mixed_precision bf16 where the CPU kind has bf16 units,
-    fp32 elsewhere. (A CLI run in a subprocess passes `trainer.autotune=false` itself.)"""
-    if request.node.get_closest_marker("autotune"):
-        return
+    fp32 elsewhere. Session-wide, so that runs made by module fixtures are fixed too.
+    (A CLI run in a subprocess passes `trainer.autotune=false` itself.)"""
     from slipstream import trainer
 
     choose = trainer.choose_variants
 
     def fixed(*args, **kwargs):
-        return choose(*args, **{**kwargs, "measure_on": False})
+        if not _measuring["allowed"]:
+            kwargs["measure_on"] = False
+        return choose(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "choose_variants", fixed)
+    trainer.choose_variants = fixed
+    yield
+    trainer.choose_variants = choose
+
+
+@pytest.fixture(autouse=True)
+def _measuring_where_marked(request):
+    _measuring["allowed"] = request.node.get_closest_marker("autotune") is not None
+    yield
+    _measuring["allowed"] = False

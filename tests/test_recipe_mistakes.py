@@ -32,6 +32,16 @@ def test_a_recipe_removes_an_inherited_algorithm_with_false_and_enables_one_with
         build_config(_recipe(tmp_path, "extends: default\nalgorithms:\n  ema: false\n", "nothing.yaml"))
 
 
+@pytest.mark.parametrize("empty", ["algorithms={}", "algorithms=null", "callbacks={}", "callbacks=null"])
+def test_an_emptied_plugin_section_on_the_command_line_takes_none_of_the_recipes(tmp_path, empty):
+    # Issue 44, case 4: `'algorithms={}'` and `algorithms=null` were ignored (the recipe's ran).
+    section = empty.split("=")[0]
+    recipe = _recipe(tmp_path, "extends: default\ncallbacks:\n  early_stopping: {}\n")
+    assert list(build_config(recipe)[section])  # the recipe enables some
+    assert list(build_config(recipe, overrides=[empty])[section]) == []
+    assert list(build_config(recipe, algorithms="ema", callbacks="profiler", overrides=[empty])[section]) == []
+
+
 def test_a_scalar_for_a_plugin_in_a_recipe_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="algorithms.ema is 5; give its options as a mapping, true or nothing"):
         build_config(_recipe(tmp_path, "extends: default\nalgorithms:\n  ema: 5\n"))

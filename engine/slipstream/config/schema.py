@@ -364,10 +364,12 @@ def build_config(
     for source, layer in layers:
         merged = _merge(merged, layer, source)
 
-    chosen = {
-        section: _plugin_section(merged, section, flag, over.pop(section, None))
-        for section, flag in (("algorithms", algorithms), ("callbacks", callbacks))
-    }
+    chosen = {}
+    for section, flag in (("algorithms", algorithms), ("callbacks", callbacks)):
+        # `algorithms={}` or `algorithms=null` takes none, as `algorithms: {}` in a recipe.
+        emptied = section in over and not over[section]
+        chosen[section] = {} if emptied else _plugin_section(merged, section, flag, over.pop(section, None))
+        over.pop(section, None)
     for section, key in _emptied(over):  # key={} empties the mapping (later wins)
         merged[section][key] = {}
     merged = _merge(merged, over, "command line")
