@@ -34,6 +34,7 @@ from slipstream.cli.runner import build_trainer
 from slipstream.config.schema import build_config
 from slipstream.duration import Duration
 from slipstream.plugins.variants import cache_path
+from slipstream.services.cpu_kind import describe_cpu_kind, native_bf16
 from slipstream.services.peak_flops import device_label
 
 RECIPES = ("default", "resnet18_baseline", "resnet18_fast")
@@ -46,14 +47,6 @@ FIXED = {
     "bf16 NHWC": (BOTH, ["algorithms.mixed_precision.dtype=bf16", "algorithms.channels_last.mode=always"]),
 }
 QUICK = ["trainer.max_duration=3ba", "data.train_size=512", "data.val_size=64"]
-
-
-def native_bf16() -> bool:
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    try:
-        return bool(check()) if check is not None else False
-    except RuntimeError:
-        return False
 
 
 def run(recipe: str, algorithms: str, overrides: list[str], out: Path) -> dict:
@@ -97,7 +90,10 @@ def main() -> None:
     ]
     fixed = {k: v for k, v in FIXED.items() if args.emulated_bf16 or native_bf16() or not k.startswith("bf16")}
     cpu = device_label(torch.device("cpu"))
-    features = f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, native bf16 {native_bf16()}"
+    features = (
+        f"CPU kind {describe_cpu_kind()}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"native bf16 {native_bf16()}"
+    )
     print(f"{cpu} ({features}), {args.threads} threads, torch {torch.__version__}", flush=True)
     rows = []
     for recipe in args.recipes:
