@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,6 +136,33 @@ def test_cli_autoresume_refuses_another_config_in_one_line(cli_run, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "these keys differ: algorithms.ema.decay, data.batch_size" in err
+
+
+@pytest.mark.parametrize(
+    "override", ["loss.kwargs.label_smoothing=0.3", "model.kwargs.drop_rate=0.5", "optimizer.kwargs.nesterov=true"]
+)
+def test_cli_autoresume_refuses_a_keyword_the_first_run_did_not_set(cli_run, capsys, override):
+    # Issue 44, case 1: the first run's `{}` against a keyword now was taken as a key of
+    # another version, and the resume trained on with the new keyword without a word.
+    recipe, run = cli_run
+    latest = run / "checkpoints" / "latest.pt"
+    before = latest.read_bytes()
+    code = main(["train", "-q", "-r", str(recipe), f"trainer.run_dir={run}", "trainer.autoresume=true", override])
+    err = capsys.readouterr().err
+    assert code == 2 and f"these keys differ: {override.split('.')[0]}.kwargs" in err, err
+    assert latest.read_bytes() == before
+
+
+def test_a_resume_compares_keyword_mappings_whole():
+    from slipstream.run.checkpoint import config_differences, resumed_with_changes
+
+    saved = {"loss": {"kwargs": {}}, "model": {"kwargs": {"drop_rate": 0.1}}, "algorithms": {"ema": {}}}
+    now = {"loss": {"kwargs": {"label_smoothing": 0.3}}, "model": {"kwargs": {}}, "algorithms": {"ema": {}}}
+    keys = config_differences(saved, now)
+    assert keys == ["loss.kwargs", "model.kwargs"]
+    told = resumed_with_changes(Path("latest.pt"), saved, now, keys)
+    assert "loss.kwargs {} -> {'label_smoothing': 0.3}, model.kwargs {'drop_rate': 0.1} -> {}" in told
+    assert config_differences(saved, saved) == []
 
 
 # -- fine-tuning ---------------------------------------------------------------------------------

@@ -27,6 +27,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from slipstream.duration import Duration, DurationError
 from slipstream.errors import ConfigError, did_you_mean
 
+# Free-form keyword mappings of the config (a model's, optimizer's or loss's constructor
+# arguments): a recipe or override gives one whole (`{}` replaces an inherited one), and
+# a resume compares one whole (`{}` against a keyword is a change, not a key of another
+# version of Slipstream).
+KEYWORD_MAPPINGS = ("model.kwargs", "optimizer.kwargs", "loss.kwargs")
+
 # `normalize="auto"`: the statistics of a dataset Slipstream knows, else none.
 AUTO = "auto"
 # Integers handed to torch must fit its 64-bit ints; Python's would overflow inside

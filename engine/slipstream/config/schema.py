@@ -18,7 +18,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from slipstream.config.options import INT64, TrainerOptions, config_dataclass
+from slipstream.config.options import INT64, KEYWORD_MAPPINGS, TrainerOptions, config_dataclass
 from slipstream.config.recipes import find_recipe
 from slipstream.duration import Duration
 from slipstream.errors import ConfigError, ConfigWarning, did_you_mean
@@ -164,14 +164,10 @@ def load_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]
     return OmegaConf.to_container(OmegaConf.merge(base, raw))  # type: ignore[return-value]
 
 
-# Mappings of a section that a recipe or override may empty with {}.
-_EMPTIED = ("model.kwargs", "optimizer.kwargs", "loss.kwargs")
-
-
 def _emptied(layer: dict[str, Any]) -> list[tuple[str, str]]:
-    """(section, key) of each :data:`_EMPTIED` mapping that ``layer`` gives as ``{}``:
-    it replaces the one below it, where a merge would keep that one."""
-    pairs = [tuple(key.split(".")) for key in _EMPTIED]
+    """(section, key) of each :data:`KEYWORD_MAPPINGS` mapping that ``layer`` gives as
+    ``{}``: it replaces the one below it, where a merge would keep that one."""
+    pairs = [tuple(key.split(".")) for key in KEYWORD_MAPPINGS]
     return [(section, key) for section, key in pairs if (layer.get(section) or {}).get(key) == {}]
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from slipstream.config.options import KEYWORD_MAPPINGS
 from slipstream.errors import CheckpointError, describe
 from slipstream.run.directory import LATEST, RunDir, atomic_write, fsync_dir, write_failure
 from slipstream.run.versions import library_versions
@@ -373,7 +374,17 @@ RESUME_MAY_CHANGE = (
 )
 
 
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if prefix in KEYWORD_MAPPINGS:  # compared whole: {} and {"drop_rate": 0.5} differ
+        return {prefix: _plain(value) if value is not None else {}}
     if isinstance(value, Mapping) and value:
         out: dict[str, Any] = {}
         for k, v in value.items():
@@ -386,7 +397,8 @@ def config_differences(saved: Mapping[str, Any] | None, current: Mapping[str, An
     """The keys whose values differ between a checkpoint's config and this run's, in
     a way that changes training (not :data:`RESUME_MAY_CHANGE`). A key only one side
     has counts where it enables a plugin (``algorithms.<name>``); other keys that one
-    side lacks come from another version and are left out."""
+    side lacks come from another version and are left out. The keyword mappings
+    (``model.kwargs``, ...) are compared whole, ``{}`` against a keyword included."""
     old, new = _flat(dict(saved or {})), _flat(dict(current or {}))
 
     def may_change(key: str) -> bool:
@@ -421,7 +433,9 @@ def resumed_with_changes(
 
     def value(flat: dict[str, Any], key: str) -> str:
         if key in flat:
-            return "on" if flat[key] == {} else repr(flat[key])  # an enabled plugin with default options
+            if flat[key] == {} and key.startswith("algorithms."):
+                return "on"  # an enabled plugin with default options
+            return repr(flat[key])
         if _enabled(flat, key):
             return "on"
         return "its default" if key.count(".") >= 2 else "off"  # an option of an enabled plugin, or none
