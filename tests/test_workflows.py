@@ -103,6 +103,20 @@ def test_autoresume_starts_fresh_and_refuses_a_changed_config(tmp_path):
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), [], autoresume=True)
 
 
+def test_autoresume_without_checkpoints_is_refused_and_a_finished_run_is_kept(tmp_path):
+    # Issue 44, case 5: with checkpoint_interval=null a finished run was cleared
+    # (metrics.jsonl, summary.json) and trained again from step 0 without a word.
+    with pytest.raises(ConfigError, match="autoresume continues from the run's checkpoints, but "
+                                          "checkpoint_interval is null"):
+        train(tmp_path, [], max_duration="2ba", autoresume=True, checkpoint_interval=None)
+    assert not (tmp_path / "run").exists()
+    done = train(tmp_path, [], max_duration="2ba", checkpoint_interval=None)  # ended, no checkpoint
+    files = {p: p.read_bytes() for p in (done.run_dir / "metrics.jsonl", done.run_dir / "summary.json")}
+    with pytest.raises(ConfigError, match=r"ended \(completed\) and kept no checkpoint to continue from"):
+        train(tmp_path, [], max_duration="2ba", autoresume=True)
+    assert all(path.read_bytes() == data for path, data in files.items())
+
+
 # -- a CLI run shared by the fine-tuning, eval and export tests ----------------------------------
 
 

@@ -296,6 +296,12 @@ class Trainer:
         that saved no checkpoint are to be cleared."""
         paths = RunDir(run_dir)
         if not paths.latest.is_file():
+            ended = paths.ended_as()
+            if ended:  # clearing it would lose its results for a run of the same steps again
+                raise ConfigError(
+                    f"trainer.autoresume: the run in {run_dir} ended ({ended}) and kept no checkpoint "
+                    "to continue from; nothing is changed. Choose another trainer.run_dir"
+                )
             if self.verbose:
                 print(f"slipstream: autoresume: no checkpoint in {run_dir}, starting", file=sys.stderr)
             return bool(paths.holds_run())

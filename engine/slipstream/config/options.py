@@ -304,6 +304,14 @@ class TrainerOptions:
                 f"{prefix}autoresume needs a fixed {prefix}run_dir (the directory a requeued "
                 "job continues in), e.g. trainer.run_dir=runs/my-run"
             )
+        if self.autoresume and self.checkpoint_interval is None:
+            # Without checkpoints a requeued job has nothing to continue from: each
+            # attempt would clear the last one's metrics and train again from step 0.
+            raise ConfigError(
+                f"{prefix}autoresume continues from the run's checkpoints, but "
+                f"{prefix}checkpoint_interval is null (none are written); set one, e.g. "
+                f"{prefix}checkpoint_interval=1ep"
+            )
         if self.autoresume and self.overwrite:
             raise ConfigError(
                 f"{prefix}autoresume and {prefix}overwrite contradict each other (continue the "

@@ -146,6 +146,16 @@ class RunDir:
                 files += [p for p in folder.iterdir() if _TEMPORARY.fullmatch(p.name)]
         return files
 
+    def ended_as(self) -> str | None:
+        """The status summary.json gives a run that reached its end (completed,
+        target_reached, stopped_early, diverged), or None: no summary, or one of a run
+        that was interrupted or failed and may go on."""
+        try:
+            status = json.loads(self.summary.read_text()).get("status")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return status if status not in (None, "interrupted", "failed") else None
+
     def holds_run(self) -> list[str]:
         """What makes this directory worth protecting: names of the checkpoints and
         of a non-empty metrics log. A start that failed before its first record
