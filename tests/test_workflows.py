@@ -117,6 +117,21 @@ def test_autoresume_without_checkpoints_is_refused_and_a_finished_run_is_kept(tm
     assert all(path.read_bytes() == data for path, data in files.items())
 
 
+def test_a_resume_at_the_end_of_a_run_without_summary_writes_one(tmp_path):
+    # Issue 44, case 6: killed after its last checkpoint, before summary.json: the resume
+    # printed a made-up summary (accuracy -, epochs None) and never wrote one.
+    done = train(tmp_path, [], max_duration="4ba", checkpoint_interval="2ba", eval_interval=None)
+    expected = done.summary["accuracy"]
+    (done.run_dir / "summary.json").unlink()
+    with pytest.warns(UserWarning, match="wrote no summary.json .*evaluating and writing it now"):
+        resumed = train(tmp_path, [], max_duration="4ba", checkpoint_interval="2ba", eval_interval=None,
+                        autoresume=True)
+    written = json.loads((resumed.run_dir / "summary.json").read_text())
+    assert written["status"] == "completed" and written["batches"] == 4
+    assert written["accuracy"] == expected  # the final evaluation of the same weights
+    assert written["samples_per_s"] is None and written["mfu"] is None  # not known, not made up
+
+
 # -- a CLI run shared by the fine-tuning, eval and export tests ----------------------------------
 
 

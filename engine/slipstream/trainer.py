@@ -566,7 +566,17 @@ class Trainer:
             # (the final evaluation and summary), which then runs now with the rates of
             # the session that trained.
             finished = self._finished_summary() if state.is_done() else None
-            if finished is not None and self.load_path is not None and finished.get("status") == "interrupted":
+            if state.is_done() and finished is None:
+                # At its end with no summary.json (killed after its last checkpoint): the
+                # final evaluation and the summary run now; the training rates are unknown.
+                self.summary_writer.carried = dict.fromkeys(("samples_per_s", "mfu"))
+                warnings.warn(
+                    f"slipstream: {self.load_path} is at the run's end, but the run wrote no summary.json "
+                    "(stopped after its last checkpoint): evaluating and writing it now, with its "
+                    "throughput unknown",
+                    stacklevel=2,
+                )
+            elif finished is not None and self.load_path is not None and finished.get("status") == "interrupted":
                 self.summary_writer.carried = finished
             elif finished is not None:
                 ts = state.timestamp
@@ -626,10 +636,10 @@ class Trainer:
             print(f"slipstream: {state.stop_reason}", file=sys.stderr)
         return self.summary
 
-    def _finished_summary(self) -> dict[str, Any]:
+    def _finished_summary(self) -> dict[str, Any] | None:
         """The summary of a run already at its end: this Trainer's own after an earlier
         fit(), else the summary.json of the run directory, or of the run that wrote the
-        checkpoint."""
+        checkpoint; None where neither has one."""
         if self.summary_writer.summary:
             return self.summary_writer.summary
         for place in filter(None, (self.paths, self._written_in())):
@@ -637,7 +647,7 @@ class Trainer:
                 return json.loads(place.summary.read_text())
             except (OSError, ValueError):
                 continue
-        return {"status": "completed", "batches": self.state.timestamp.batch}
+        return None
 
     def _written_in(self) -> RunDir | None:
         """The run directory of the checkpoint this run loads, when it lies in one."""

@@ -472,6 +472,11 @@ def exit_code(summary: dict[str, Any]) -> int:
     return 0
 
 
+def _rate(value: Any) -> str:
+    # None: a run finished by a resume that trained nothing, its rates unknown
+    return f"{value:.0f} samples/s" if isinstance(value, (int, float)) else "- (not known)"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     def pct(value: Any) -> str:
         return f"{100 * value:.2f} %" if isinstance(value, (int, float)) else "-"
@@ -481,7 +486,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("accuracy", pct(summary.get("accuracy"))),
         ("best accuracy", pct(summary.get("best_accuracy"))),
         ("wall time", f"{summary.get('wall_time_s', 0):.1f} s"),
-        ("throughput", f"{summary.get('samples_per_s', 0):.0f} samples/s"),
+        ("throughput", _rate(summary.get("samples_per_s"))),
         ("epochs / batches", f"{summary.get('epochs')} / {summary.get('batches')}"),
         ("algorithms", ", ".join(a["name"] for a in summary.get("algorithms", [])) or "none"),
         ("callbacks", ", ".join(c["name"] for c in summary.get("callbacks", [])) or "none"),
