@@ -340,6 +340,50 @@ def test_bad_eval_and_export_input_is_one_line(cli_run, tmp_path, capsys):
     assert not (tmp_path / "m.pt").exists()
 
 
+def test_eval_and_export_replace_no_file_unasked_and_never_the_checkpoint(cli_run, tmp_path, capsys):
+    # Issue 44, case 3: `-o` replaced any file, the checkpoint being read included.
+    _, run = cli_run
+    latest = run / "checkpoints" / "latest.pt"
+    kept = latest.read_bytes()
+    mine = tmp_path / "mine.json"
+    mine.write_text("a file of the user's\n")
+    refused = [
+        (["export", "-c", str(latest), "-f", "torchscript", "-o", str(latest)], "is the checkpoint being read"),
+        (["export", "-c", str(run), "-f", "torchscript", "-o", str(latest), "--overwrite"],
+         "is the checkpoint being read"),
+        (["eval", "-c", str(run), "-o", str(latest), "--overwrite"], "is the checkpoint being read"),
+        (["eval", "-c", str(run), "-o", str(mine)], f"-o {mine} exists; give --overwrite to replace it"),
+        (["export", "-c", str(run), "-f", "torchscript", "-o", str(tmp_path)], "is a directory"),
+    ]
+    for args, fragment in refused:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err, err
+    assert latest.read_bytes() == kept and mine.read_text() == "a file of the user's\n"
+    assert main(["eval", "-c", str(run), "-o", str(mine), "--overwrite"]) == 0  # asked: replaced
+    assert "accuracy" in json.loads(mine.read_text())
+    exported = tmp_path / "m.pt"
+    assert main(["export", "-c", str(run), "-f", "torchscript", "-o", str(exported)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "mine.json"]  # no partial file left
+
+
+def test_a_failed_export_leaves_no_partial_file_and_the_old_one(tmp_path, monkeypatch):
+    from slipstream.run import inference
+
+    model = tiny_model()
+    out = tmp_path / "m.pt"
+    out.write_bytes(b"the previous export")
+
+    def fails_midway(*args, **kwargs):
+        (args[4]).write_bytes(b"half a file")  # the partial file, then the failure
+        raise RuntimeError("the writer broke")
+
+    monkeypatch.setattr(inference, "_export_and_check", fails_midway)
+    with pytest.raises(RuntimeError, match="the writer broke"):
+        inference.export_model(model, torch.rand(2, 3, 16, 16), "torchscript", out)
+    assert out.read_bytes() == b"the previous export" and [p.name for p in tmp_path.iterdir()] == ["m.pt"]
+
+
 # -- import paths ---------------------------------------------------------------------------------
 
 USER_MODULE = '''

@@ -196,6 +196,8 @@ def _parser() -> argparse.ArgumentParser:
             "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_size=500"
         )
     evaluate.add_argument("--output", "-o", default=None, help="the metrics JSON file")
+    for command in (evaluate, export):
+        command.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     export.add_argument("--format", "-f", required=True, choices=("torchscript", "onnx", "exported-program"))
     export.add_argument("--output", "-o", required=True, help="the file to write")
     export.add_argument("--no-check", action="store_true", help="skip the comparison with the eager model")
@@ -589,9 +591,29 @@ def _default_eval_output(checkpoint: Path) -> Path:
     return run
 
 
+def _check_output(args: argparse.Namespace) -> None:
+    """A given ``-o`` replaces no file this command did not make, unless ``--overwrite``
+    says so, and never the checkpoint it reads; refused in one line before any work."""
+    if args.output is None:
+        return
+    from slipstream.run.directory import RunDir
+
+    output, checkpoint = Path(args.output), Path(args.checkpoint)
+    if output.is_dir():
+        raise ConfigError(f"-o {output} is a directory; give the file to write")
+    if not output.exists():
+        return
+    read = RunDir(checkpoint).latest if checkpoint.is_dir() else checkpoint
+    if read.exists() and output.samefile(read):
+        raise ConfigError(f"-o {output} is the checkpoint being read; give another file")
+    if not args.overwrite:
+        raise ConfigError(f"-o {output} exists; give --overwrite to replace it, or another file")
+
+
 def _eval(args: argparse.Namespace) -> int:
     from slipstream.run.inference import evaluate_checkpoint
 
+    _check_output(args)
     weights = _weights(args)
     checkpoint = Path(args.checkpoint)
     output = args.output
@@ -621,6 +643,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from slipstream.run.inference import export_checkpoint
 
+    _check_output(args)
     result = export_checkpoint(
         Path(args.checkpoint),
         args.format,

@@ -10,9 +10,12 @@ the rebuilt run, so the weights evaluated are the ones chosen.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ from torch import nn
 from slipstream.data.loaders import stop_workers
 from slipstream.errors import CheckpointError, ConfigError, describe
 from slipstream.run.checkpoint import load_checkpoint, select_weights, weights_in
-from slipstream.run.directory import atomic_write_text
+from slipstream.run.directory import atomic_write_text, fsync_dir, write_failure
 
 FORMATS = ("torchscript", "onnx", "exported-program")
 _RECORDING_SERVICES = (
@@ -178,10 +181,51 @@ def export_model(
     if format == "exported-program" and output.suffix != ".pt2":
         # torch.export.load reads other names only after complaining that they do not end in .pt2
         raise ConfigError(f"an exported-program file ends in .pt2 (torch.export's package format); got {output}")
-    output.parent.mkdir(parents=True, exist_ok=True)
     model = model.eval()
     with torch.no_grad():
         expected = model(inputs)
+    with _replaced_when_done(output) as partial:
+        result = _export_and_check(model, inputs, expected, format, partial, check, atol, rtol)
+    result["file"] = str(output)
+    return result
+
+
+@contextmanager
+def _replaced_when_done(output: Path) -> Iterator[Path]:
+    """A file beside ``output``, with its suffix (the loaders read the format from it),
+    that replaces ``output`` only once everything written to it and read back from it
+    succeeded: a failed export leaves no partial file and the old one as it was, and a
+    write that fails says so in one line naming ``output`` and the cause."""
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise (write_failure(exc, output) or exc) from None
+    partial = output.parent / f".{output.stem}.{secrets.token_hex(6)}.partial{output.suffix}"
+    try:
+        yield partial
+        os.replace(partial, output)
+    except Exception as exc:
+        partial.unlink(missing_ok=True)
+        failure = write_failure(exc, output)
+        if failure is None:
+            raise
+        raise failure from None
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    fsync_dir(output.parent)
+
+
+def _export_and_check(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    expected: Any,
+    format: str,
+    output: Path,
+    check: bool,
+    atol: float,
+    rtol: float,
+) -> dict[str, Any]:
     if format == "torchscript":
         any_batch = True  # a trace of convolutions and matmuls keeps the batch dimension free
         with torch.no_grad():
