@@ -461,3 +461,44 @@ def test_eval_ends_its_loader_workers_before_returning(cli_run, tmp_path, capsys
     args = ["eval", "--checkpoint", str(run), "-o", str(tmp_path / "m.json")]
     assert main([*args, "data.num_workers=2", "data.persistent_workers=true"]) == 0
     assert stopped == [([True, True], "stop_workers")]  # the eval loader's, not left to the exit
+
+
+# -- class names travel with the weights (issue 44, case 2) ---------------------------------------
+
+
+def _colour_folders(root: Path, classes: dict[str, tuple[int, int, int]]) -> Path:
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for name, colour in classes.items():
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (16, 16), tuple(min(255, c + 9 * i) for c in colour)).save(folder / f"{i}.png")
+    return root
+
+
+def test_class_names_are_kept_checked_at_eval_and_exported(tmp_path, capsys):
+    colours = {"a": (250, 0, 0), "b": (0, 250, 0), "c": (0, 0, 250)}
+    trained = _colour_folders(tmp_path / "abc", colours)
+    run = tmp_path / "run"
+    common = ["-q", "model.name=test_resnet", "data.name=imagefolder", "data.image_size=16", "data.batch_size=4",
+              "trainer.max_duration=2ba", "trainer.threads=1", "algorithms={}"]
+    assert main(["train", *common, f"data.root={trained}", f"trainer.run_dir={run}"]) == 0
+    assert load_checkpoint(run / "checkpoints" / "latest.pt")["classes"] == ["a", "b", "c"]
+    # Other folders: the same images under other names, sorted into another order, were
+    # scored against the wrong indices (accuracy 0.0 without a word).
+    renamed = _colour_folders(tmp_path / "other", {"b": colours["b"], "c": colours["c"], "x_a": colours["a"]})
+    capsys.readouterr()
+    assert main(["eval", "-c", str(run), f"data.root={renamed}", "-o", str(tmp_path / "e.json")]) == 2
+    err = capsys.readouterr().err
+    assert "only in the data ['x_a'], only in the checkpoint ['a']" in err and "Traceback" not in err, err
+    assert not (tmp_path / "e.json").exists()
+    assert main(["eval", "-c", str(run), f"data.root={trained}", "-o", str(tmp_path / "e.json")]) == 0
+    out = tmp_path / "m.pt"
+    capsys.readouterr()
+    assert main(["export", "-c", str(run), "-f", "torchscript", "-o", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["classes"] == ["a", "b", "c"]
+    extra = {"classes.json": ""}
+    torch.jit.load(str(out), _extra_files=extra)
+    assert json.loads(extra["classes.json"]) == ["a", "b", "c"]

@@ -233,9 +233,27 @@ def checkpoint_payload(
             a.name: a.variant for a in state.algorithms if getattr(a, "variant", None) is not None
         },
         "config": state.config,
+        # The names behind the model's output indices, where the data has them: what
+        # `eval` checks other data against and `export` writes beside the weights.
+        "classes": dataset_classes(state.train_loader),
         "world_size": state.world_size,
         "versions": library_versions(),
     }
+
+
+def dataset_classes(loader: Any) -> list[str] | None:
+    """The class names of ``loader``'s dataset, index by index (``.classes``, as
+    torchvision's datasets and the built-in ones have), looking through wrappers that
+    keep theirs in ``.dataset``; None where the data names none (a stream of shards)."""
+    data = getattr(loader, "dataset", loader)
+    for _ in range(4):
+        classes = getattr(data, "classes", None)
+        if isinstance(classes, (list, tuple)) and classes and all(isinstance(c, str) for c in classes):
+            return list(classes)
+        data = getattr(data, "dataset", None)
+        if data is None:
+            break
+    return None
 
 
 def _weights_tag(plugin: Any) -> dict[str, str]:

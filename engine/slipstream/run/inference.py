@@ -25,8 +25,12 @@ from torch import nn
 
 from slipstream.data.loaders import stop_workers
 from slipstream.errors import CheckpointError, ConfigError, describe
-from slipstream.run.checkpoint import load_checkpoint, select_weights, weights_in
+from slipstream.run.checkpoint import dataset_classes, load_checkpoint, select_weights, weights_in
 from slipstream.run.directory import atomic_write_text, fsync_dir, write_failure
+
+# The names of the model's output indices, in an exported file (TorchScript's and
+# exported-program's extra files; ONNX metadata key "classes"): a JSON list.
+CLASSES_FILE = "classes.json"
 
 FORMATS = ("torchscript", "onnx", "exported-program")
 _RECORDING_SERVICES = (
@@ -123,6 +127,24 @@ def rebuild(
     return Rebuilt(trainer, payload, weights)
 
 
+def check_classes(trained: Sequence[str] | None, data: Sequence[str] | None, checkpoint: Any) -> None:
+    """Refuse, naming the classes, data whose class names differ from those the
+    checkpoint's weights were trained on: index i would be scored as another class
+    (an ImageFolder numbers its folders in sorted order). Nothing to check where either
+    side names none (a checkpoint of an older version, a stream of shards)."""
+    if not trained or not data or list(trained) == list(data):
+        return
+    if sorted(trained) == sorted(data):
+        detail = f"the same classes in another order: the checkpoint's {list(trained)}, the data's {list(data)}"
+    else:
+        only_data, only_trained = sorted(set(data) - set(trained)), sorted(set(trained) - set(data))
+        detail = f"only in the data {only_data}, only in the checkpoint {only_trained}"
+    raise ConfigError(
+        f"the evaluation data's classes are not those {checkpoint} was trained on ({detail}); "
+        "its accuracy would score each index as another class. Evaluate on data with the same class folders"
+    )
+
+
 def evaluate_checkpoint(
     checkpoint: str | Path,
     *,
@@ -139,6 +161,7 @@ def evaluate_checkpoint(
         state = rebuilt.trainer.state
         if state.eval_loader is None:
             raise ConfigError("slipstream eval: the config gives no eval data")
+        check_classes(rebuilt.payload.get("classes"), dataset_classes(state.eval_loader), checkpoint)
         try:
             metrics = rebuilt.trainer.evaluator.evaluate(state)
         finally:  # persistent workers left to the interpreter's exit delay it (data.loaders)
@@ -169,11 +192,14 @@ def export_model(
     check: bool = True,
     atol: float = 1e-4,
     rtol: float = 1e-3,
+    classes: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Write ``model`` (in eval mode) for inference as ``format`` (torchscript: a
     trace; onnx; exported-program: ``torch.export``) to ``output``, then load the
     file and compare its outputs on ``inputs`` with the eager model's. Returns the
     check: max absolute difference and whether it is within ``atol`` + ``rtol``.
+    ``classes``, the names of the output indices, go into the file (TorchScript and
+    exported-program extra file ``classes.json``; ONNX metadata ``classes``).
     Raises ConfigError for an unknown format or a missing onnx package."""
     if format not in FORMATS:
         raise ConfigError(f"export format {format!r} is not one of {', '.join(FORMATS)}")
@@ -185,8 +211,9 @@ def export_model(
     with torch.no_grad():
         expected = model(inputs)
     with _replaced_when_done(output) as partial:
-        result = _export_and_check(model, inputs, expected, format, partial, check, atol, rtol)
+        result = _export_and_check(model, inputs, expected, format, partial, check, atol, rtol, classes)
     result["file"] = str(output)
+    result["classes"] = list(classes) if classes else None
     return result
 
 
@@ -225,21 +252,23 @@ def _export_and_check(
     check: bool,
     atol: float,
     rtol: float,
+    classes: Sequence[str] | None = None,
 ) -> dict[str, Any]:
+    extra = {CLASSES_FILE: json.dumps(list(classes))} if classes else {}
     if format == "torchscript":
         any_batch = True  # a trace of convolutions and matmuls keeps the batch dimension free
         with torch.no_grad():
             traced = torch.jit.trace(model, (inputs,), check_trace=False)
-        traced.save(str(output))
+        traced.save(str(output), _extra_files=extra)
         run = torch.jit.load(str(output), map_location=inputs.device)
     elif format == "exported-program":
         program, any_batch = _with_any_batch(
             lambda dynamic: torch.export.export(model, (inputs,), dynamic_shapes=dynamic), len(inputs)
         )
-        torch.export.save(program, str(output))
+        torch.export.save(program, str(output), extra_files=extra)
         run = torch.export.load(str(output)).module()
     else:
-        run, any_batch = _export_onnx(model, inputs, output)
+        run, any_batch = _export_onnx(model, inputs, output, extra.get(CLASSES_FILE))
     result: dict[str, Any] = {
         "format": format,
         "file": str(output),
@@ -286,7 +315,7 @@ def _with_any_batch(export: Any, batch: int) -> tuple[Any, bool]:
         return export(None), False
 
 
-def _export_onnx(model: nn.Module, inputs: torch.Tensor, output: Path) -> tuple[Any, bool]:
+def _export_onnx(model: nn.Module, inputs: torch.Tensor, output: Path, classes: str | None) -> tuple[Any, bool]:
     try:
         import onnx  # noqa: F401
         import onnxruntime
@@ -299,6 +328,8 @@ def _export_onnx(model: nn.Module, inputs: torch.Tensor, output: Path) -> tuple[
         lambda dynamic: torch.onnx.export(model, (inputs,), dynamo=True, verbose=False, dynamic_shapes=dynamic),
         len(inputs),
     )
+    if classes is not None:
+        program.model.metadata_props["classes"] = classes  # JSON, as in the other formats' classes.json
     program.save(str(output))
     session = onnxruntime.InferenceSession(str(output), providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
@@ -338,7 +369,8 @@ def export_checkpoint(
         for plugin in reversed(rebuilt.trainer.algorithms):
             model = plugin.export_model(model)
         inputs = rebuilt.inputs().float()
-        result = export_model(model, inputs, format, output, check=check)
+        classes = rebuilt.payload.get("classes")
+        result = export_model(model, inputs, format, output, check=check, classes=classes)
     normalize = rebuilt.trainer.normalize
     result.update(
         checkpoint=str(checkpoint),
