@@ -502,3 +502,21 @@ def test_class_names_are_kept_checked_at_eval_and_exported(tmp_path, capsys):
     extra = {"classes.json": ""}
     torch.jit.load(str(out), _extra_files=extra)
     assert json.loads(extra["classes.json"]) == ["a", "b", "c"]
+
+
+def test_eval_and_export_refuse_non_finite_weights(cli_run, tmp_path, capsys):
+    # Issue 44: eval of a checkpoint with NaN weights reported an accuracy, exit 0, and
+    # wrote NaN into its JSON.
+    _, run = cli_run
+    payload = load_checkpoint(run / "checkpoints" / "latest.pt")
+    name = next(k for k, v in payload["model"].items() if v.is_floating_point())
+    payload["model"][name] = torch.full_like(payload["model"][name], float("nan"))
+    bad = tmp_path / "bad.pt"
+    torch.save(payload, bad)
+    capsys.readouterr()
+    for args in (["eval", "-c", str(bad), "-o", str(tmp_path / "e.json")],
+                 ["export", "-c", str(bad), "-f", "torchscript", "-o", str(tmp_path / "m.pt")]):
+        assert main(args) != 0
+        err = capsys.readouterr().err
+        assert f"are not finite (NaN or infinity in {name}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "e.json").exists() and not (tmp_path / "m.pt").exists()

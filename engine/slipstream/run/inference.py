@@ -123,6 +123,15 @@ def rebuild(
     from slipstream.run.checkpoint import load_weights
 
     load_weights(state.unwrapped_model, checkpoint, weights=weights, payload=payload)
+    from slipstream.services.nonfinite import nonfinite_names
+
+    bad = nonfinite_names(list(state.unwrapped_model.state_dict().items()))
+    if bad:  # any metric or export of them would be NaN, or a number that means nothing
+        raise CheckpointError(
+            f"the {weights} weights in {checkpoint} are not finite (NaN or infinity in {', '.join(bad[:3])}"
+            f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}): nothing to evaluate or export; "
+            "use an earlier checkpoint of the run"
+        )
     state.unwrapped_model.eval()
     return Rebuilt(trainer, payload, weights)
 
