@@ -362,10 +362,10 @@ def build_config(
 
     chosen = {}
     for section, flag in (("algorithms", algorithms), ("callbacks", callbacks)):
+        given = section in over
+        dotted = over.pop(section, None)
         # `algorithms={}` or `algorithms=null` takes none, as `algorithms: {}` in a recipe.
-        emptied = section in over and not over[section]
-        chosen[section] = {} if emptied else _plugin_section(merged, section, flag, over.pop(section, None))
-        over.pop(section, None)
+        chosen[section] = {} if given and not dotted else _plugin_section(merged, section, flag, dotted)
     for section, key in _emptied(over):  # key={} empties the mapping (later wins)
         merged[section][key] = {}
     merged = _merge(merged, over, "command line")
