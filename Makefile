@@ -25,12 +25,13 @@ setup: $(STAMP)
 # Set-up time (docs/results/2026-11-29-first-contact.md): the build back-ends go into the
 # venv once and every editable install uses them (--no-build-isolation), instead of pip
 # making an isolated build environment per package; the plugins build with flit_core
-# (about 0.2 s each against setuptools' 1.7 s); --no-compile leaves byte-compiling to
-# Python's first import of each module instead of compiling all of torch up front.
+# (about 0.2 s each against setuptools' 1.7 s). pip still byte-compiles what it installs:
+# where PYTHONDONTWRITEBYTECODE is set (as on this project's machines and CI) nothing
+# else ever would, and every process would compile torch again (the suite ran 1.45x longer).
 $(STAMP): Makefile pyproject.toml setup.cfg $(PLUGINS)
 	$(PYTHON) -m venv $(VENV)
 	$(QUIET_PIP) $(BIN)/python -m pip install --quiet "pip>=25" "setuptools>=70.1" "flit_core>=3.4,<5" $(PIP_FILTER)
-	$(QUIET_PIP) $(BIN)/python -m pip install --quiet --no-compile --no-build-isolation \
+	$(QUIET_PIP) $(BIN)/python -m pip install --quiet --no-build-isolation \
 		-e ".[dev,sweep,onnx]" $(foreach p,$(PLUGINS),-e $(dir $(p))) $(PIP_FILTER)
 	touch $(STAMP)
 
