@@ -24,6 +24,23 @@ def error_lines(err: str) -> list[str]:
     return [line for line in err.strip().splitlines() if line and not line.startswith(WARNING_PREFIX)]
 
 
+def colour_image_folder(
+    root: Path, classes: dict[str, tuple[int, int, int]], per_class: int = 2, size: int = 8
+) -> Path:
+    """An ImageFolder tree (``root/{train,val}/<class>/<i>.png``) of PNGs written with
+    Pillow: each class one colour, its images a shade apart."""
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for name, colour in classes.items():
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                shade = tuple(min(255, c + 9 * i) for c in colour)
+                Image.new("RGB", (size, size), shade).save(folder / f"{i}.png")
+    return root
+
+
 def tiny_loaders(
     n: int = 64, image_size: int = 16, batch_size: int = 16, num_classes: int = 4, seed: int = 0
 ) -> tuple[DataLoader, DataLoader]:

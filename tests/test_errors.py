@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import error_lines, fake_distribution, train
+from helpers import colour_image_folder, error_lines, fake_distribution, train
 from slipstream import CheckpointError, ConfigError
 from slipstream.cli.main import main
 from slipstream.config.options import TrainerOptions, check_output_dir
@@ -345,14 +345,7 @@ def test_a_bug_still_shows_its_traceback(capsys, monkeypatch):
 
 
 def _tiny_image_folder(root: Path, bad: dict[str, bytes]) -> None:
-    from PIL import Image
-
-    for split in ("train", "val"):
-        for cls, colour in (("red", (255, 0, 0)), ("blue", (0, 0, 255))):
-            folder = root / split / cls
-            folder.mkdir(parents=True)
-            for i in range(2):
-                Image.new("RGB", (8, 8), colour).save(folder / f"{i}.png")
+    colour_image_folder(root, {"red": (255, 0, 0), "blue": (0, 0, 255)})
     for name, data in bad.items():
         (root / "train" / "red" / name).write_bytes(data)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import Probe, record_worker_shutdowns, tiny_model, train
+from helpers import Probe, colour_image_folder, record_worker_shutdowns, tiny_model, train
 from slipstream import CheckpointError, ConfigError, Trainer, load_checkpoint
 from slipstream.cli.main import main
 from slipstream.models import build_loss, build_model
@@ -466,21 +466,9 @@ def test_eval_ends_its_loader_workers_before_returning(cli_run, tmp_path, capsys
 # -- class names travel with the weights (issue 44, case 2) ---------------------------------------
 
 
-def _colour_folders(root: Path, classes: dict[str, tuple[int, int, int]]) -> Path:
-    from PIL import Image
-
-    for split in ("train", "val"):
-        for name, colour in classes.items():
-            folder = root / split / name
-            folder.mkdir(parents=True)
-            for i in range(4):
-                Image.new("RGB", (16, 16), tuple(min(255, c + 9 * i) for c in colour)).save(folder / f"{i}.png")
-    return root
-
-
 def test_class_names_are_kept_checked_at_eval_and_exported(tmp_path, capsys):
     colours = {"a": (250, 0, 0), "b": (0, 250, 0), "c": (0, 0, 250)}
-    trained = _colour_folders(tmp_path / "abc", colours)
+    trained = colour_image_folder(tmp_path / "abc", colours, per_class=4, size=16)
     run = tmp_path / "run"
     common = ["-q", "model.name=test_resnet", "data.name=imagefolder", "data.image_size=16", "data.batch_size=4",
               "trainer.max_duration=2ba", "trainer.threads=1", "algorithms={}"]
@@ -488,7 +476,8 @@ def test_class_names_are_kept_checked_at_eval_and_exported(tmp_path, capsys):
     assert load_checkpoint(run / "checkpoints" / "latest.pt")["classes"] == ["a", "b", "c"]
     # Other folders: the same images under other names, sorted into another order, were
     # scored against the wrong indices (accuracy 0.0 without a word).
-    renamed = _colour_folders(tmp_path / "other", {"b": colours["b"], "c": colours["c"], "x_a": colours["a"]})
+    renamed = colour_image_folder(tmp_path / "other", {"b": colours["b"], "c": colours["c"], "x_a": colours["a"]},
+                                  per_class=4, size=16)
     capsys.readouterr()
     assert main(["eval", "-c", str(run), f"data.root={renamed}", "-o", str(tmp_path / "e.json")]) == 2
     err = capsys.readouterr().err

@@ -31,12 +31,16 @@ KINDS = ("avx2", "avx512", "avx512_bf16", "amx", "other")
 NATIVE_BF16 = ("avx512_bf16", "amx")
 
 
-def _torch_says(name: str) -> bool:
-    check = getattr(torch.cpu, name, None)  # private cpuinfo queries, present since torch 2.1
+def _asked(check: object) -> bool:
+    """One of torch's capability queries, answered False where this build lacks it."""
     try:
-        return bool(check()) if check is not None else False
-    except RuntimeError:
+        return bool(check()) if callable(check) else False
+    except RuntimeError:  # e.g. a build without oneDNN
         return False
+
+
+def _torch_says(name: str) -> bool:
+    return _asked(getattr(torch.cpu, name, None))  # private cpuinfo queries, present since torch 2.1
 
 
 @functools.lru_cache(maxsize=1)
@@ -44,11 +48,7 @@ def _onednn_bf16() -> bool:
     """oneDNN's own test: without it oneDNN is not used for bf16 at all and PyTorch
     falls back to generic kernels (a CIFAR-stem ResNet-18 step ran 12x slower in bf16
     than in fp32 on an AVX2-only AMD EPYC)."""
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    try:
-        return bool(check()) if check is not None else False
-    except RuntimeError:  # a build without oneDNN
-        return False
+    return _asked(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None))
 
 
 @functools.lru_cache(maxsize=1)
