@@ -394,3 +394,29 @@ def test_a_last_batch_of_one_sample_is_warned_about_and_named_if_batch_norm_meet
                           max_duration="1ep", run_dir=tmp_path / "run", progress_bar=False, verbose=False)
     with pytest.raises(ConfigError, match="a training batch of 1 sample\\(s\\) reached a batch-norm layer"):
         trainer.fit()
+
+
+@pytest.mark.parametrize("source", ["wds", "hf"])
+def test_autoresume_finds_data_that_moved(data, tmp_path, capsys, source) -> None:
+    """Issue 44, case 9: a requeued job whose data was staged elsewhere (data.urls,
+    data.eval_urls, data.path: the dataset's ``locations``) autoresumes; another key that
+    changes training is still refused."""
+    import shutil
+
+    moved = tmp_path / "staged"
+    shutil.copytree(data["root"] / ("wds" if source == "wds" else "hf"), moved)
+    here = {k: str(v).replace(str(data["root"] / ("wds" if source == "wds" else "hf")), str(moved))
+            for k, v in data[source].items()}  # fmt: skip
+    assert here != data[source]
+    run = tmp_path / "run"
+    common = ["train", "--recipe", "default", "-q", "model.name=test_resnet", "data.image_size=16",
+              "data.batch_size=8", "data.num_workers=0", "trainer.checkpoint_interval=2ba",
+              "trainer.eval_interval=null", "trainer.autoresume=true", f"trainer.run_dir={run}"]  # fmt: skip
+    assert main([*common, *(f"data.{k}={v}" for k, v in data[source].items()), "trainer.max_duration=2ba"]) == 0
+    resumed = [*common, *(f"data.{k}={v}" for k, v in here.items()), "trainer.max_duration=4ba"]
+    assert main(resumed) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["batches"] == 4 and "resumed_with_changes" not in summary
+    capsys.readouterr()
+    assert main([*resumed, "trainer.max_duration=6ba", "optimizer.lr=0.5"]) == 2
+    assert "these keys differ: optimizer.lr" in capsys.readouterr().err

@@ -163,6 +163,7 @@ class HuggingFaceDataset(DatasetPlugin):
 
     name = "huggingface"
     config_class = HuggingFaceConfig
+    locations = ("path",)
     stats = DATASET_STATS["imagefolder"]  # ImageNet's: what a set of photos usually has
 
     def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:

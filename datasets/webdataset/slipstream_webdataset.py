@@ -285,6 +285,7 @@ class WebDatasetShards(DatasetPlugin):
 
     name = "webdataset"
     config_class = WebDatasetConfig
+    locations = ("urls", "eval_urls")
     stats = DATASET_STATS["imagefolder"]  # ImageNet's: what a tree of photos usually has
 
     def build(self, request: DataRequest) -> BuiltData:

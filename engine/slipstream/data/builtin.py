@@ -61,6 +61,7 @@ class Cifar10(DatasetPlugin):
 
     name = "cifar10"
     config_class = CifarConfig
+    locations = ("root",)
     stats = DATASET_STATS["cifar10"]
 
     def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:
@@ -80,6 +81,7 @@ class ImageFolder(DatasetPlugin):
 
     name = "imagefolder"
     config_class = ImageFolderConfig
+    locations = ("root",)
     stats = DATASET_STATS["imagefolder"]
 
     def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:

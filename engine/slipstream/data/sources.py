@@ -93,6 +93,10 @@ class DatasetPlugin(Plugin):
 
     kind: ClassVar[str] = "dataset"
     stats: ClassVar[Optional[Stats]] = None
+    # Its data.* keys that say where the data is (a folder, shard patterns): a resume,
+    # autoresume included, may find the same data elsewhere (a requeued job that staged
+    # it on another node's disk), so these are not compared with the checkpoint's.
+    locations: ClassVar[tuple[str, ...]] = ()
 
     def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:
         """``(train, val, num_classes)`` as map-style datasets of ``(uint8 C x H x W, int)``;
@@ -145,6 +149,17 @@ def dataset_class(name: str, installed: dict[str, Any] | None = None) -> type[Da
         return algorithm_class(name, installed, DATASETS_GROUP)  # type: ignore[return-value]
     except Exception as exc:  # PluginError: a broken plugin is a config problem of this run
         raise ConfigError(f"data.name={name!r}: {exc}") from None
+
+
+def data_locations(config: Any) -> list[str]:
+    """The dotted ``data.*`` keys that locate the data of the dataset ``config`` (a run's
+    config mapping) names; none where that dataset is not installed."""
+    name = ((config or {}).get("data") or {}).get("name")
+    try:
+        cls = dataset_class(str(name))
+    except ConfigError:
+        return []
+    return [f"data.{key}" for key in cls.locations]
 
 
 def dataset_keys(cls: type[DatasetPlugin]) -> list[str]:

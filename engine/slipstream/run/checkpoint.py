@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from slipstream.config.options import KEYWORD_MAPPINGS
+from slipstream.data.sources import data_locations
 from slipstream.errors import CheckpointError, describe
 from slipstream.run.directory import LATEST, RunDir, atomic_write, fsync_dir, write_failure
 from slipstream.run.versions import library_versions
@@ -416,11 +417,13 @@ def config_differences(saved: Mapping[str, Any] | None, current: Mapping[str, An
     a way that changes training (not :data:`RESUME_MAY_CHANGE`). A key only one side
     has counts where it enables a plugin (``algorithms.<name>``); other keys that one
     side lacks come from another version and are left out. The keyword mappings
-    (``model.kwargs``, ...) are compared whole, ``{}`` against a keyword included."""
+    (``model.kwargs``, ...) are compared whole, ``{}`` against a keyword included.
+    Where the data is (the dataset's ``locations``, e.g. ``data.urls``) may change."""
     old, new = _flat(dict(saved or {})), _flat(dict(current or {}))
+    free = (*RESUME_MAY_CHANGE, *data_locations(current))
 
     def may_change(key: str) -> bool:
-        return any(key == k or key.startswith(k + ".") for k in RESUME_MAY_CHANGE)
+        return any(key == k or key.startswith(k + ".") for k in free)
 
     differ = {k for k in old.keys() & new.keys() if old[k] != new[k] and not may_change(k)}
     for key in old.keys() ^ new.keys():
