@@ -42,6 +42,29 @@ def test_an_emptied_plugin_section_on_the_command_line_takes_none_of_the_recipes
     assert list(build_config(recipe, algorithms="ema", callbacks="profiler", overrides=[empty])[section]) == []
 
 
+def test_the_command_line_switches_the_dataset_of_a_recipe_and_unsets_its_keys(tmp_path):
+    """Issue 44, case 8: over a WebDataset recipe, `data.name=huggingface data.path=P` was
+    refused ("data.urls is not read by data.name=huggingface"), and so was `data.urls=null`:
+    no way out. Now the recipe's webdataset keys go, with one warning naming them."""
+    recipe = _recipe(tmp_path, "extends: default\ndata:\n  name: webdataset\n  urls: /shards/train-{0..9}.tar\n"
+                     "  eval_urls: /shards/val-0.tar\n  shuffle_block: 64\n")  # fmt: skip
+    with pytest.warns(ConfigWarning, match=r"data.urls, data.eval_urls, data.shuffle_block dropped: only "
+                      r"data.name=webdataset reads them, and the command line sets data.name=huggingface"):  # fmt: skip
+        data = build_config(recipe, overrides=["data.name=huggingface", "data.path=/hf"]).data
+    assert data.name == "huggingface" and data.path == "/hf" and "urls" not in data and "eval_urls" not in data
+    # key=null unsets a dataset's key, as leaving it out of the recipe would.
+    assert "eval_urls" not in build_config(recipe, overrides=["data.eval_urls=null"]).data
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data = build_config(recipe, overrides=["data.urls=null", "data.eval_urls=null", "data.shuffle_block=null",
+                                               "data.name=huggingface", "data.path=/hf"]).data  # fmt: skip
+    assert "urls" not in data and data.name == "huggingface"
+    # A key of the recipe's dataset that the command line itself sets is still refused by name.
+    with pytest.raises(ConfigError, match="data.urls is not read by data.name=huggingface"):
+        build_config(recipe, overrides=["data.name=huggingface", "data.path=/hf", "data.urls=/x.tar",
+                                        "data.eval_urls=null", "data.shuffle_block=null"])  # fmt: skip
+
+
 def test_a_scalar_for_a_plugin_in_a_recipe_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="algorithms.ema is 5; give its options as a mapping, true or nothing"):
         build_config(_recipe(tmp_path, "extends: default\nalgorithms:\n  ema: 5\n"))

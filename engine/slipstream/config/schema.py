@@ -368,6 +368,7 @@ def build_config(
         chosen[section] = {} if given and not dotted else _plugin_section(merged, section, flag, dotted)
     for section, key in _emptied(over):  # key={} empties the mapping (later wins)
         merged[section][key] = {}
+    _command_line_data(merged, over)
     merged = _merge(merged, over, "command line")
     for section, plugins in chosen.items():
         merged[section] = plugins
@@ -375,6 +376,40 @@ def build_config(
     validate(merged)
     warn_no_ops(merged)
     return merged
+
+
+def _command_line_data(merged: DictConfig, over: dict[str, Any]) -> None:
+    """The command line's ``data`` keys over a recipe's: ``data.<key>=null`` unsets a
+    dataset plugin's key, and a ``data.name`` changed there drops the recipe's keys that
+    only the recipe's dataset reads (``data.urls`` when switching to ``huggingface``),
+    with a warning, as the engine's own keys of another dataset are (``data.root``)."""
+    data = over.get("data")
+    if not isinstance(data, dict):
+        return
+    engine = {f.name for f in dataclasses.fields(DataConfig)}
+    for key in [k for k, v in data.items() if v is None and k not in engine]:
+        del data[key]
+        merged.data.pop(key, None)
+    name, before = data.get("name"), merged.data.get("name")
+    if name is None or name == before:
+        return
+    from slipstream.data.sources import dataset_class, dataset_keys
+
+    try:
+        own = set(dataset_keys(dataset_class(str(name))))
+    except ConfigError:
+        return  # validate() names the dataset that is not installed
+    dropped = [k for k in list(merged.data) if k not in engine and k not in own and k not in data]
+    for key in dropped:
+        del merged.data[key]
+    if dropped:
+        keys = ", ".join(f"data.{k}" for k in dropped)
+        warnings.warn(
+            f"{keys} dropped: only data.name={before} reads {'them' if len(dropped) > 1 else 'it'}, "
+            f"and the command line sets data.name={name}",
+            ConfigWarning,
+            stacklevel=3,
+        )
 
 
 def _base_for(base: dict[str, Any], data_name: str | None) -> dict[str, Any]:
