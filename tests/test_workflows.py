@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import Probe, colour_image_folder, record_worker_shutdowns, tiny_model, train
+from helpers import Probe, colour_image_folder, error_lines, record_worker_shutdowns, tiny_model, train
 from slipstream import CheckpointError, ConfigError, Trainer, load_checkpoint
 from slipstream.cli.main import main
 from slipstream.models import build_loss, build_model
@@ -221,6 +221,26 @@ def test_a_10_class_checkpoint_fine_tunes_into_a_3_class_model(cli_run, tmp_path
     assert payload["timestamp"]["batch"] == 1  # counters start afresh
     lrs = sorted(g["lr"] for g in payload["optimizer"]["param_groups"])
     assert lrs[0] == 0.0 and lrs[-1] == 0.01
+
+
+def test_fine_tuning_patterns_that_do_nothing_are_refused(cli_run, tmp_path, capsys):
+    """Issue 44, case 11: load_ignore_keys that match no weight (a typo would load the head
+    it meant to leave out), optimizer.head matching everything (backbone_lr_scale a no-op),
+    and `[*]` read by YAML as an alias: each one line, nothing trained."""
+    recipe, run = cli_run
+    common = ["train", "-q", "-r", str(recipe), f"trainer.load_path={run / 'checkpoints' / 'latest.pt'}",
+              "trainer.load_weights_only=true", "trainer.max_duration=1ba", "algorithms.ema=null"]  # fmt: skip
+    cases = [
+        (["trainer.load_ignore_keys=[head.*]"], "trainer.load_ignore_keys: 'head.*' matches no weight of ResNet"),
+        (['optimizer.head=["*"]', "optimizer.backbone_lr_scale=0.1"],
+         "optimizer.head (*) matches every trainable parameter of ResNet, so optimizer.backbone_lr_scale=0.1"),
+        (["optimizer.head=[*]"], "YAML reads a value starting with * as an alias"),
+    ]  # fmt: skip
+    for i, (overrides, message) in enumerate(cases):
+        code = main([*common, *overrides, f"trainer.run_dir={tmp_path / str(i)}"])
+        lines = error_lines(capsys.readouterr().err)
+        assert code == 2 and len(lines) == 1 and message in lines[0], lines
+        assert not (tmp_path / str(i) / "checkpoints").exists()
 
 
 def test_ema_weights_are_selectable(cli_run):

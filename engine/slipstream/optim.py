@@ -231,6 +231,13 @@ def param_groups(
                 f"({', '.join(head or HEAD_PATTERNS)}); set optimizer.head to glob patterns of its "
                 "classifier's parameter names"
             )
+        trainable = [name for name, param in model.named_parameters() if param.requires_grad]
+        if backbone_lr_scale != 1 and all(name in head_names for name in trainable):
+            raise ConfigError(
+                f"optimizer.head ({', '.join(head or HEAD_PATTERNS)}) matches every trainable parameter of "
+                f"{type(model).__name__}, so optimizer.backbone_lr_scale={backbone_lr_scale} would change nothing; "
+                "give glob patterns of its classifier's parameter names only, e.g. ['fc.*']"
+            )
         scale = backbone_lr_scale
     # timm's models name the parameters their recipes do not decay (a ViT's position
     # embedding and class token), as the layer_decay path above honours too.

@@ -328,6 +328,12 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             merged.merge_with_dotlist([item])
         except (OmegaConfBaseException, yaml.YAMLError) as exc:
             reason = " ".join(str(exc).split())
+            if "scanning an alias" in reason:  # YAML reads a leading * as an alias, not a glob
+                raise ConfigError(
+                    f"cannot parse override {item!r}: YAML reads a value starting with * as an alias. "
+                    "Quote each glob pattern inside the value, and the whole override in the shell: "
+                    """'optimizer.head=["*fc*"]' or 'trainer.load_ignore_keys=["*.weight"]'"""
+                ) from None
             raise ConfigError(
                 f"cannot parse override {item!r}: {reason}. Values are YAML: quote the whole "
                 "override in the shell, e.g. 'optimizer.betas=[0.9, 0.99]'"

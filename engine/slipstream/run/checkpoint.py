@@ -27,7 +27,7 @@ import torch
 
 from slipstream.config.options import KEYWORD_MAPPINGS
 from slipstream.data.sources import data_locations
-from slipstream.errors import CheckpointError, describe
+from slipstream.errors import CheckpointError, ConfigError, describe
 from slipstream.run.directory import LATEST, RunDir, atomic_write, fsync_dir, write_failure
 from slipstream.run.versions import library_versions
 from slipstream.state import State
@@ -291,6 +291,12 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _head_like(own: Mapping[str, Any]) -> str:
+    """A glob of the last module's weights (most often the classifier), as an example."""
+    last = next(reversed(list(own)), "fc.weight")
+    return last.rsplit(".", 1)[0] + ".*" if "." in last else last
+
+
 def _listed(names: Sequence[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
@@ -340,6 +346,13 @@ def load_weights(
     own = model.state_dict()
     kept = {k: v for k, v in saved.items() if not _matches(k, ignore_keys)}
     ignored = [k for k in own if _matches(k, ignore_keys)]
+    unmatched = [p for p in ignore_keys if not any(fnmatch.fnmatchcase(k, p) for k in (*own, *saved))]
+    if unmatched:  # a typo would load the weights it meant to leave out, without a word
+        raise ConfigError(
+            f"trainer.load_ignore_keys: {', '.join(map(repr, unmatched))} matches no weight of "
+            f"{type(model).__name__} or of checkpoint {path}; its weights are named like "
+            f"{_listed(list(own), 4)} (globs, e.g. ['{_head_like(own)}'])"
+        )
     problems = weight_problems(kept, own, leave_out=ignored)
     if problems:
         raise CheckpointError(
