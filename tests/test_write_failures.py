@@ -231,3 +231,121 @@ def test_a_full_disk_under_the_metrics_log_names_the_log(capsys, tmp_path, monke
     code = main(["train", *TINY, "trainer.max_duration=1ba", "trainer.log_interval=1", f"trainer.run_dir={run_dir}"])
     err = capsys.readouterr().err
     assert_failed_in_one_line(code, err, f"cannot use {run_dir / 'metrics.jsonl'}: the disk is full")
+
+
+# -- export (issue 44, case 7) ----------------------------------------------------------------
+
+EXPORT_FORMATS = [("torchscript", ".pt"), ("exported-program", ".pt2")]
+
+
+def _export_tiny(fmt: str, out: Path):
+    from helpers import tiny_model
+    from slipstream.run.inference import export_model
+
+    return export_model(tiny_model(), torch.rand(2, 3, 16, 16), fmt, out, check=False)
+
+
+@pytest.mark.parametrize("fmt, suffix", EXPORT_FORMATS)
+@pytest.mark.parametrize(
+    "code, cause",
+    [(errno.EROFS, "the file system is read-only"), (errno.EACCES, "permission denied"),
+     (errno.ENOSPC, "the disk is full")],
+)
+def test_issue_44_case_7_an_export_the_file_system_refuses_is_one_line_naming_the_file(
+    tmp_path, monkeypatch, fmt, suffix, code, cause
+):
+    """Issue 44, case 7: a read-only file system (or no permission, or no room) under
+    `export -o` was torch's C++ error, or a line naming the hidden partial file; now one
+    line naming the file asked for, and nothing is left behind."""
+    from slipstream.cli.main import user_error_message
+
+    real = os.open
+
+    def refuse(path, *args, **kwargs):
+        if ".partial" in str(path):
+            raise OSError(code, os.strerror(code), str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr("slipstream.run.inference.os.open", refuse)
+    out = tmp_path / f"model{suffix}"
+    with pytest.raises(OSError) as failed:
+        _export_tiny(fmt, out)
+    assert user_error_message(failed.value) == f"cannot use {out}: {cause}"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fmt, suffix", EXPORT_FORMATS)
+def test_issue_44_case_7_a_full_disk_under_torchs_writer_is_an_error_not_an_abort(
+    tmp_path, monkeypatch, fmt, suffix
+):
+    """Issue 44, case 7: torch's C++ writer, given a path, aborted the process on a full
+    disk (`terminate called after throwing an instance of 'c10::Error'`, exit 134) and
+    left a partial file. The file is now written through a Python file object, whose
+    failed write (the disk full after 4 KiB here) is one line naming the file asked for."""
+    import io
+
+    from slipstream.cli.main import user_error_message
+
+    class Filling(io.FileIO):
+        left = 4096
+
+        def write(self, data):
+            size = memoryview(data).nbytes
+            if size > Filling.left:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            Filling.left -= size
+            return super().write(data)
+
+    monkeypatch.setattr("slipstream.run.inference.io.FileIO", Filling)
+    out = tmp_path / f"model{suffix}"
+    with pytest.raises(OSError) as failed:
+        _export_tiny(fmt, out)
+    assert user_error_message(failed.value) == f"cannot use {out}: the disk is full"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_issue_44_case_7_a_directory_or_a_read_only_folder_as_the_export_file_is_one_line(tmp_path, monkeypatch):
+    """Issue 44, case 7: the Python API's export to a directory, or one whose partial
+    file cannot even be removed (the file system turned read-only), names the file asked
+    for, not the partial one."""
+    from slipstream.cli.main import user_error_message
+
+    with pytest.raises(OSError) as failed:
+        _export_tiny("torchscript", tmp_path)
+    assert user_error_message(failed.value) == f"cannot use {tmp_path}: it is a directory, not a file"
+    out = tmp_path / "m.pt"
+    real_unlink = Path.unlink
+
+    def read_only(self, *args, **kwargs):
+        if ".partial" in self.name:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_unlink(self, *args, **kwargs)
+
+    def replace(src, dst):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(src), str(dst))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    monkeypatch.setattr("slipstream.run.inference.os.replace", replace)
+    with pytest.raises(OSError) as failed:
+        _export_tiny("torchscript", out)
+    assert user_error_message(failed.value) == f"cannot use {out}: the file system is read-only"
+
+
+def test_issue_44_case_7_an_onnx_export_that_fails_names_its_file(tmp_path, monkeypatch):
+    """Issue 44, case 7: ONNX said "cannot use a file of the run" and left a truncated
+    .onnx; now the .onnx asked for is named and no file is left."""
+    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    pytest.importorskip("onnxscript", reason="the onnx extra is not installed")
+    from slipstream.cli.main import user_error_message
+    from slipstream.run import inference
+
+    def full(model, inputs, output, classes):
+        Path(output).write_bytes(b"half an onnx file")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a file object's write: no name
+
+    monkeypatch.setattr(inference, "_export_onnx", full)
+    out = tmp_path / "m.onnx"
+    with pytest.raises(OSError) as failed:
+        _export_tiny("onnx", out)
+    assert user_error_message(failed.value) == f"cannot use {out}: the disk is full"
+    assert list(tmp_path.iterdir()) == []

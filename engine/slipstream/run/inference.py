@@ -9,22 +9,23 @@ the rebuilt run, so the weights evaluated are the ones chosen.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import secrets
 import tempfile
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import nn
 
 from slipstream.data.loaders import stop_workers
-from slipstream.errors import CheckpointError, ConfigError, describe
+from slipstream.errors import CheckpointError, ConfigError, ConfigWarning, describe
 from slipstream.run.checkpoint import dataset_classes, load_checkpoint, select_weights, weights_in
 from slipstream.run.directory import atomic_write_text, fsync_dir, write_failure
 
@@ -219,11 +220,42 @@ def export_model(
     model = model.eval()
     with torch.no_grad():
         expected = model(inputs)
-    with _replaced_when_done(output) as partial:
+    with _warnings_in_one_line(), _replaced_when_done(output) as partial:
         result = _export_and_check(model, inputs, expected, format, partial, check, atol, rtol, classes)
     result["file"] = str(output)
     result["classes"] = list(classes) if classes else None
     return result
+
+
+# torch's warnings while exporting that tell a user of the CLI nothing to act on: the
+# deprecation of the format they chose (torch.jit.trace, save, load), and a note of the
+# .pt2 packer about how it groups CPU weights.
+_NOISE = ("is deprecated. Please switch to", "No complete tensor found in the group")
+
+
+@contextmanager
+def _warnings_in_one_line() -> Iterator[None]:
+    """The warnings raised inside, each once and in one line: slipstream's own as they
+    were, a library's as ``slipstream: torch warned while exporting: <its first line>``
+    (torch's warnings name a line of torch's source, and run over several lines), and
+    the known noise (``_NOISE``) not at all."""
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        shown: set[str] = set()
+        for warning in caught:
+            text = str(warning.message)
+            ours = text.startswith("slipstream: ") or issubclass(warning.category, ConfigWarning)
+            if not ours:
+                if any(noise in text for noise in _NOISE):
+                    continue
+                first = text.strip().splitlines()[0] if text.strip() else warning.category.__name__
+                text = f"slipstream: torch warned while exporting: {first}"
+            if text not in shown:
+                shown.add(text)
+                warnings.warn(text, warning.category if ours else UserWarning, stacklevel=3)
 
 
 @contextmanager
@@ -231,25 +263,87 @@ def _replaced_when_done(output: Path) -> Iterator[Path]:
     """A file beside ``output``, with its suffix (the loaders read the format from it),
     that replaces ``output`` only once everything written to it and read back from it
     succeeded: a failed export leaves no partial file and the old one as it was, and a
-    write that fails says so in one line naming ``output`` and the cause."""
+    write that fails (no permission, a read-only file system, a full disk) says so in
+    one line naming ``output`` and the cause, not the partial file."""
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise (write_failure(exc, output) or exc) from None
-    partial = output.parent / f".{output.stem}.{secrets.token_hex(6)}.partial{output.suffix}"
+    while True:
+        partial = output.parent / f".{output.stem}.{secrets.token_hex(6)}.partial{output.suffix}"
+        try:  # made here, by Python, so that a refusal is an OSError with its errno
+            os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666))
+            break
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise (write_failure(exc, output) or exc) from None
     try:
         yield partial
         os.replace(partial, output)
     except Exception as exc:
-        partial.unlink(missing_ok=True)
-        failure = write_failure(exc, output)
+        _remove(partial)
+        failure = write_failure(exc, output, _size(partial))
         if failure is None:
             raise
         raise failure from None
     except BaseException:
-        partial.unlink(missing_ok=True)
+        _remove(partial)
         raise
     fsync_dir(output.parent)
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:  # a file system turned read-only: the failure that led here is the one to report
+        pass
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+class _Recording(io.BufferedWriter):
+    """A file that remembers the OSError its writes raised: torch's zip writer turns
+    one into ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos``,
+    which names no cause. A real file object (seekable), as torch.export wants."""
+
+    error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return super().write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError as exc:
+            self.error = exc
+            raise
+
+
+def _write(path: Path, save: Callable[[IO[bytes]], Any]) -> None:
+    """``save(file)`` into ``path`` through a Python file object. torch's writers given a
+    path write it in C++, where a full disk aborts the whole process
+    (``terminate called after throwing an instance of 'c10::Error'``, exit 134) and
+    leaves the partial file; through a file object the failed write is an OSError
+    naming its cause, raised here even where torch wraps it in an error of its own."""
+    with _Recording(io.FileIO(path, "wb")) as file:
+        try:
+            save(file)
+            file.flush()
+            os.fsync(file.fileno())
+        except Exception as exc:
+            if file.error is not None and file.error is not exc:
+                raise file.error from None
+            raise
 
 
 def _export_and_check(
@@ -268,13 +362,13 @@ def _export_and_check(
         any_batch = True  # a trace of convolutions and matmuls keeps the batch dimension free
         with torch.no_grad():
             traced = torch.jit.trace(model, (inputs,), check_trace=False)
-        traced.save(str(output), _extra_files=extra)
+        _write(output, lambda f: torch.jit.save(traced, f, _extra_files=extra))
         run = torch.jit.load(str(output), map_location=inputs.device)
     elif format == "exported-program":
         program, any_batch = _with_any_batch(
             lambda dynamic: torch.export.export(model, (inputs,), dynamic_shapes=dynamic), len(inputs)
         )
-        torch.export.save(program, str(output), extra_files=extra)
+        _write(output, lambda f: torch.export.save(program, f, extra_files=extra))
         run = torch.export.load(str(output)).module()
     else:
         run, any_batch = _export_onnx(model, inputs, output, extra.get(CLASSES_FILE))
