@@ -162,3 +162,30 @@ def test_image_size_is_recorded_for_image_batches_only(tmp_path):
     images = train(tmp_path, [], max_duration="1ba", log_interval=1, checkpoint_interval=None, eval_interval=None)
     record = json.loads((images.run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert record["image_size"] == [16, 16]
+
+
+def test_the_first_record_after_a_resume_averages_the_same_batches(tmp_path):
+    """Issue 44 ("less often"): log_interval 2, resumed from a checkpoint at batch 3: the
+    record at batch 4 averaged batch 4 alone; an uninterrupted run's averages 3 and 4."""
+
+    def records(run_dir):
+        lines = (run_dir / "run" / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+    common = dict(log_interval=2, eval_interval=None, seed=3)
+    train(tmp_path / "straight", max_duration="6ba", checkpoint_interval=None, **common)
+    armed = [True]
+
+    def killed_at_4(state):
+        if armed[0] and state.timestamp.batch == 3:  # the fourth batch, after the checkpoint at batch 3
+            armed[0] = False
+            raise KeyboardInterrupt  # as a kill: no record made for the open window
+
+    split = dict(max_duration="6ba", checkpoint_interval="3ba", autoresume=True, **common)
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "split", [Probe(batch_start=killed_at_4)], **split)
+    train(tmp_path / "split", [Probe(batch_start=killed_at_4)], **split)
+    straight, resumed = records(tmp_path / "straight"), records(tmp_path / "split")
+    assert sorted(straight) == sorted(resumed) == [2, 4, 6]
+    assert resumed[4] == pytest.approx(straight[4], rel=1e-12)
+    assert resumed == pytest.approx(straight, rel=1e-12)

@@ -221,6 +221,11 @@ def test_a_10_class_checkpoint_fine_tunes_into_a_3_class_model(cli_run, tmp_path
     assert payload["timestamp"]["batch"] == 1  # counters start afresh
     lrs = sorted(g["lr"] for g in payload["optimizer"]["param_groups"])
     assert lrs[0] == 0.0 and lrs[-1] == 0.01
+    # The log's `lr` is the first group's; with groups of other LRs, each is logged (issue 44).
+    records = [json.loads(line) for line in (tuned / "metrics.jsonl").read_text().splitlines()]
+    logged = next(r for r in records if r["kind"] == "train")
+    assert logged["lr"] == 0.0 and sorted(set(logged["lr_groups"])) == [0.0, 0.01]
+    assert "lr_groups" not in json.loads((run / "metrics.jsonl").read_text().splitlines()[0])  # one LR
 
 
 def test_fine_tuning_patterns_that_do_nothing_are_refused(cli_run, tmp_path, capsys):

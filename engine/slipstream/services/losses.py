@@ -100,6 +100,19 @@ class TrainLosses:
             self.inspector(state, values, list(range(last - len(values) + 1, last + 1)))
         return values
 
+    def state_dict(self) -> dict[str, float]:
+        """The losses not yet taken by :meth:`take_mean` (the metrics log's open window),
+        so that a resumed run's first record averages the same batches as an
+        uninterrupted run's. Read without taking them: nothing is inspected twice."""
+        pending = [*self._stacked, stack_losses(self._kept)] if self._kept else list(self._stacked)
+        values = torch.cat(pending).tolist() if pending else []
+        return {"sum": self._sum + sum(values), "count": self._count + len(values)}
+
+    def load_state_dict(self, state: dict[str, float] | None) -> None:
+        """The open window of the run a resume continues (None: a checkpoint without one)."""
+        if state:
+            self._sum, self._count = float(state["sum"]), int(state["count"])
+
     def take_mean(self, state: State) -> float | None:
         """The mean loss of the steps since the last call (None: no step since)."""
         self.read(state)

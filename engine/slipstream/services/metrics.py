@@ -103,9 +103,10 @@ class MetricsLogger:
         self._listened = True
         # The last train and eval record made, for the progress bar and the target.
         self.last: dict[str, dict[str, Any]] = {}
-        # The LR the last step trained with, set by the loop when a scheduler has moved
-        # the optimizer's since (None: the optimizer's own is the one it trained with).
-        self.lr_used: float | None = None
+        # The LRs (one per parameter group) the last step trained with, set by the loop
+        # when a scheduler has moved the optimizer's since (None: the optimizer's own
+        # are the ones it trained with).
+        self.lr_used: list[float] | None = None
 
     @hookimpl
     def fit_start(self, state: State) -> None:
@@ -148,19 +149,22 @@ class MetricsLogger:
         flops = self._flops()
         done = None if flops is None or self._flops_at_last is None else flops - self._flops_at_last
         inputs = state.batch[0] if state.batch is not None else None
+        lrs = self.lr_used if self.lr_used is not None else [g["lr"] for g in state.optimizer.param_groups]
         record = {
             "kind": "train",
             "step": state.timestamp.batch,
             "epoch": state.epochs_done(),
             "elapsed_s": round(now, 4),
             "loss": loss,
-            "lr": _scalar(self.lr_used if self.lr_used is not None else state.optimizer.param_groups[0]["lr"]),
+            "lr": _scalar(lrs[0]) if lrs else None,
             # Of an image batch (N, C, H, W) only: the last two sizes of other inputs
             # (a batch of feature vectors) are not an image's.
             "image_size": list(inputs.shape[-2:]) if isinstance(inputs, torch.Tensor) and inputs.dim() == 4 else None,
             "samples_per_s": samples / seconds,
             "mfu": self.utilization.mfu(state, done, seconds) if self.utilization else None,
         }
+        if len(set(lrs)) > 1:  # `lr` is the first group's (the backbone's with backbone_lr_scale)
+            record["lr_groups"] = [_scalar(lr) for lr in lrs]
         if state.metrics:
             record.update({key: _scalar(value) for key, value in state.metrics.items()})
         self._write(dict(record))  # its own copy: the file gets what was made now
