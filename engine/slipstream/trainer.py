@@ -548,6 +548,7 @@ class Trainer:
                 restore_checkpoint(
                     state, self.load_path, verbose=self.verbose, hook=self.pm.hook, payload=payload
                 )
+                self.losses.load_state_dict(payload.get("train_losses"))
                 # Changed settings are allowed here (autoresume refused them before the
                 # start), but never silent; told once the checkpoint is known to fit.
                 saved = payload.get("config")
@@ -768,7 +769,7 @@ class Trainer:
         # Stepped before any hook sees them (a checkpoint saves their state), but the
         # records until the next step log the LR the last one trained with.
         if schedulers:
-            self.metrics_log.lr_used = self.state.optimizer.param_groups[0]["lr"]
+            self.metrics_log.lr_used = [group["lr"] for group in self.state.optimizer.param_groups]
         for scheduler in schedulers:
             scheduler.step()
 
@@ -844,9 +845,10 @@ class Trainer:
         return [algorithm_record(c, self._distributions[c.name]) for c in self.callbacks]
 
     def _checkpoint_payload(self, state: State) -> dict[str, Any]:
-        return checkpoint_payload(
+        payload = checkpoint_payload(
             state, [*self._algorithm_records(), *self._callback_records()], hook=self.pm.hook
         )
+        return {**payload, "train_losses": self.losses.state_dict()}  # the metrics log's open window
 
 
 SCHEDULER_INTERVALS = ("epoch", "batch")
