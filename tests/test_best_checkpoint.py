@@ -90,6 +90,20 @@ def test_a_resumed_run_keeps_the_best_of_the_whole_run(tmp_path):
     assert after["best"] == best_before["best"] == {"metric": "accuracy", "value": 0.9, "step": 4, "epoch": 1}
 
 
+def test_a_resume_that_changes_best_metric_keeps_the_earlier_best(tmp_path):
+    """Issue 44 ("less often"): best.pt by accuracy was replaced at the resumed run's
+    first evaluation by a best by loss, losing the best weights without a word."""
+    first = train(tmp_path, [ScriptedEval([0.9, 0.5])], max_duration="2ep")
+    before = load_checkpoint(first.paths.best)
+    with pytest.warns(UserWarning, match=r"best.pt was the best by accuracy \(0.9 at step 4\); this run monitors "
+                      r"loss, so it is kept as best-accuracy-ba4.pt"):  # fmt: skip
+        train(tmp_path, [ScriptedEval([1.5], metric="loss")], max_duration="3ep", best_metric="loss",
+              load_path=first.paths.latest)  # fmt: skip
+    kept = load_checkpoint(first.paths.best.with_name("best-accuracy-ba4.pt"))
+    assert kept["best"] == before["best"] and same(weights(kept), weights(before))
+    assert load_checkpoint(first.paths.best)["best"] == {"metric": "loss", "value": 1.5, "step": 12, "epoch": 3}
+
+
 def test_a_resumed_runs_summary_describes_the_whole_run(tmp_path):
     # Accuracy 0.9 at step 2 only: the best, and past the target, before the checkpoint.
     def script(state):

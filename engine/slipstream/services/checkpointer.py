@@ -90,6 +90,21 @@ class Checkpointer:
             elif isinstance(saved, dict) and saved.get("metric") == self.best_metric:
                 self.best = saved
                 state.summary["best_checkpoint"] = saved
+            elif isinstance(saved, dict) and saved.get("metric") and self.write:
+                self._keep_other_best(saved)
+
+    def _keep_other_best(self, saved: dict[str, Any]) -> None:
+        """best.pt of another best_metric (changed on resume): its weights are the best
+        of what the run looked for until now, so they keep a name of their own rather
+        than being replaced at the next evaluation by a best of the new metric."""
+        aside = self.paths.best.with_name(f"best-{saved['metric']}-ba{saved.get('step')}.pt")
+        self.paths.best.replace(aside)
+        now = "no metric (trainer.best_metric=null)" if self.best_metric is None else self.best_metric
+        warnings.warn(
+            f"slipstream: checkpoints/best.pt was the best by {saved['metric']} ({saved.get('value')} at step "
+            f"{saved.get('step')}); this run monitors {now}, so it is kept as {aside.name}",
+            stacklevel=2,
+        )
 
     def _set_aside_best(self, state: State, step: int) -> None:
         """best.pt of steps this resume discards (it resumes from an earlier checkpoint):
