@@ -139,3 +139,23 @@ def test_a_part_a_plugin_keeps_in_eval_mode_stays_there_after_each_evaluation(tm
     assert seen == [(True, False)] * 4  # three evaluations came in between
     for norm, before in zip(norms, frozen, strict=True):
         assert torch.equal(norm.running_mean, before)
+
+
+def test_issue_44_eval_output_is_strict_json(tmp_path, monkeypatch, capsys):
+    """Issue 44: `eval` wrote a NaN loss into its JSON (a NaN token no strict reader
+    takes); now null, with the keys named under "nonfinite", printed and written."""
+    from slipstream.cli.main import main
+
+    monkeypatch.setattr(
+        "slipstream.run.inference.evaluate_checkpoint",
+        lambda *a, **k: {"loss": float("nan"), "accuracy": 0.5, "samples": 4},
+    )
+    out = tmp_path / "eval.json"
+    assert main(["eval", "-c", str(tmp_path / "any.pt"), "-o", str(out)]) == 0
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} in the JSON")
+
+    printed = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert printed == json.loads(out.read_text(), parse_constant=refuse)
+    assert printed["loss"] is None and printed["nonfinite"] == ["loss"]

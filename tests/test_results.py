@@ -365,3 +365,57 @@ def test_compare_shows_mfu_from_the_summary_or_the_records(tmp_path: Path) -> No
     assert [r["mfu"] for r in rows] == [0.5, 0.25, None]
     header, _, first, *_ = compare_runs([load_run(with_summary)]).splitlines()
     assert "MFU %" in header and "50.0" in first
+
+
+def test_issue_44_case_12_the_loss_axis_is_logarithmic_so_a_diverged_run_flattens_no_other(tmp_path: Path) -> None:
+    """Issue 44, case 12: `slipstream plot`'s loss axis was linear, so one run whose loss
+    went to 1e4 drew every other run as a flat line at the bottom."""
+    blown = tuple(
+        json.dumps({"kind": "train", "step": 7 + i, "elapsed_s": 70.0 + i, "loss": 10.0 ** (i + 2)})
+        for i in range(3)
+    )
+    runs = [load_run(make_run(tmp_path, "calm")), load_run(make_run(tmp_path, "diverged", extra_lines=blown))]
+    loss = next(ax for ax in build_figure(runs).axes if ax.get_title() == "train loss")
+    assert loss.get_yscale() == "log" and "log" in loss.get_ylabel()
+    # A loss of the user's own that goes to 0 or below has no logarithm: symlog keeps it.
+    below = (json.dumps({"kind": "train", "step": 7, "elapsed_s": 70.0, "loss": -1.0}),)
+    loss = next(ax for ax in build_figure([load_run(make_run(tmp_path, "neg", extra_lines=below))]).axes
+                if ax.get_title() == "train loss")
+    assert loss.get_yscale() == "symlog"
+
+
+def test_issue_44_plot_writes_through_the_atomic_path(tmp_path: Path, monkeypatch) -> None:
+    """Issue 44: every write goes through the atomic, checked path; a plot that fails to
+    be written leaves no half-written PNG, and an older one as it was."""
+    import errno
+    import os
+
+    from slipstream.cli.main import user_error_message
+
+    out = tmp_path / "plot.png"
+    out.write_bytes(b"the older plot")
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("matplotlib.figure.Figure.savefig", full)
+    with pytest.raises(OSError) as failed:
+        plot_runs([load_run(make_run(tmp_path, "r"))], out)
+    assert user_error_message(failed.value) == f"cannot use {out}: the disk is full"
+    assert out.read_bytes() == b"the older plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png", "r"]
+
+
+def test_issue_44_compare_json_is_strict_json(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Issue 44: every JSON the engine writes is strict JSON: a non-finite value in
+    `compare --json` is null, never a NaN or Infinity token."""
+    from slipstream.cli.main import main
+
+    monkeypatch.setattr(
+        "slipstream.run.results.compare_runs_json", lambda runs, target: [{"run": "r", "speedup": float("inf")}]
+    )
+    assert main(["compare", str(make_run(tmp_path, "r")), "--json"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON")) == [
+        {"run": "r", "speedup": None}
+    ]

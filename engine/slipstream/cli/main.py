@@ -621,7 +621,9 @@ def _eval(args: argparse.Namespace) -> int:
         name = "eval.json" if weights == "model" else f"eval-{weights}.json"
         output = _default_eval_output(checkpoint) / name
     metrics = evaluate_checkpoint(checkpoint, recipe=args.recipe, overrides=args.overrides, weights=weights)
-    text = json.dumps(metrics, indent=2)
+    from slipstream.run.directory import strict_json
+
+    text = strict_json(metrics, indent=2)  # a NaN loss is null, named under "nonfinite": never a NaN token
     print(text, flush=True)  # first: a file that cannot be written loses nothing
     from slipstream.run.directory import atomic_write_text
 
@@ -653,7 +655,9 @@ def _export(args: argparse.Namespace) -> int:
         weights=_weights(args),
         check=not args.no_check,
     )
-    print(json.dumps(result, indent=2))
+    from slipstream.run.directory import strict_json
+
+    print(strict_json(result, indent=2))
     return 0
 
 
@@ -692,7 +696,10 @@ def _compare(args: argparse.Namespace) -> int:
 
     runs = [load_run(Path(p)) for p in args.runs]
     if args.json:
-        print(json.dumps(compare_runs_json(runs, args.target), indent=2))
+        from slipstream.run.directory import finite_json
+
+        # Strict JSON: a value no run gives a finite number for (a NaN loss) is null.
+        print(json.dumps(finite_json(compare_runs_json(runs, args.target))[0], indent=2, allow_nan=False))
     else:
         print(compare_runs(runs, args.target))
     return 0

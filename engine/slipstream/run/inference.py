@@ -27,7 +27,7 @@ from torch import nn
 from slipstream.data.loaders import stop_workers
 from slipstream.errors import CheckpointError, ConfigError, ConfigWarning, describe
 from slipstream.run.checkpoint import dataset_classes, load_checkpoint, select_weights, weights_in
-from slipstream.run.directory import atomic_write_text, fsync_dir, write_failure
+from slipstream.run.directory import atomic_write_text, fsync_dir, strict_json, write_failure
 
 # The names of the model's output indices, in an exported file (TorchScript's and
 # exported-program's extra files; ONNX metadata key "classes"): a JSON list.
@@ -189,7 +189,7 @@ def evaluate_checkpoint(
         "data": rebuilt.trainer.config.get("data", {}).get("name"),
     }
     if output is not None:
-        atomic_write_text(output, json.dumps(result, indent=2) + "\n")
+        atomic_write_text(output, strict_json(result, indent=2) + "\n")
     return result
 
 

@@ -241,6 +241,7 @@ def build_figure(runs: Sequence[Run]) -> Figure:
         ax.grid(True, alpha=0.3)
     # Learning rates like 4e-4 are unreadable as plain decimals.
     panel_axes[4].ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
+    _log_scale_for_loss(panel_axes[0])
 
     # Below the panels, so it is not squeezed over any data.
     handles = [
@@ -256,6 +257,21 @@ def build_figure(runs: Sequence[Run]) -> Figure:
     return fig
 
 
+def _log_scale_for_loss(ax: Any) -> None:
+    """The loss on a log scale: one run that diverged (a loss of 1e4) on a linear axis
+    flattens every other run's curve into a line at the bottom. A loss of 0 or less (a
+    loss of the user's own) has no logarithm: symlog, linear around 0, keeps it."""
+    values = [y for line in ax.lines for y in line.get_ydata()]
+    if not values:
+        return
+    if min(values) > 0:
+        ax.set_yscale("log")
+        ax.set_ylabel("loss (log scale)")
+    else:
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_ylabel("loss (symlog scale)")
+
+
 def _status(run: Run) -> str | None:
     return (run.summary or {}).get("status")
 
@@ -268,8 +284,9 @@ def _legend_label(run: Run) -> str:
 def plot_runs(runs: Sequence[Run], out_path: str | Path) -> Path:
     """Write the results figure for `runs` as a PNG at `out_path` and return the path."""
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    build_figure(runs).savefig(out, format="png", dpi=100)
+    figure = build_figure(runs)
+    # Atomic: a failed write (a full disk) leaves no half-written PNG, and says so in one line.
+    rundir.atomic_write(out, lambda f: figure.savefig(f, format="png", dpi=100))
     return out
 
 
