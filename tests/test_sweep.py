@@ -165,12 +165,38 @@ def test_a_failed_trial_is_replaced_not_counted(tmp_path, recipe):
     assert result.best_recipe is not None
 
 
+def test_a_failed_trials_values_are_never_run_again(tmp_path, recipe):
+    """Issue 44 ("less often"): a sweep re-sampled a choice value whose trial had failed
+    (the docs say it does not). The repeat is not run; an untried value runs instead."""
+    space = ("optimizer.lr=choice(1.0e+30,0.003)", "trainer.max_duration=1ep")
+    result = sweep(recipe, 1, *space, enqueue=[{"optimizer.lr": 1e30}, {"optimizer.lr": 1e30}])
+    assert [row["state"] for row in result.rows] == ["fail", "complete"]
+    assert [row["optimizer.lr"] for row in result.rows] == [1e30, 0.003]
+    assert not (tmp_path / "sweep" / "trial-001").exists()  # the repeat: sampled, never run
+
+
+def test_untried_values_of_a_discrete_space():
+    import random
+
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    from slipstream.cli.sweep import untried
+
+    space = {"a": CategoricalDistribution(["x", "y"]), "b": IntDistribution(1, 2)}
+    tried = [{"a": "x", "b": 1}, {"a": "x", "b": 2}, {"a": "y", "b": 1}]
+    assert untried(space, tried, random.Random(0)) == {"a": "y", "b": 2}
+    assert untried(space, [*tried, {"a": "y", "b": 2}], random.Random(0)) is None
+    assert untried({"lr": FloatDistribution(0.1, 1.0)}, [], random.Random(0)) is None
+
+
 def test_a_sweep_whose_trials_all_fail_exits_1_and_says_so_in_one_line(tmp_path, recipe, capfd):
     root = tmp_path / "failing"
     code = main(["sweep", "--recipe", str(recipe), "--trials", "1", "--sweep-dir", str(root),
                  "optimizer.lr=choice(1.0e+30,2.0e+30)", "trainer.max_duration=1ep"])  # fmt: skip
     err = capfd.readouterr().err
-    assert code == 1 and "stopped after 3 failed trials, 1 trial short" in err
+    # Issue 44: no failed value is sampled again; once both have failed, nothing is left.
+    assert code == 1 and "every combination of the search space has been tried after 2 failed trials, " \
+        "1 trial short" in err
     assert "Traceback" not in err  # optuna's own report of each failure is left out
     assert not (root / "best.yaml").exists()
 

@@ -15,8 +15,10 @@ Only this module imports optuna, and only ``slipstream sweep`` imports this modu
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
+import random
 import re
 import sys
 from collections.abc import Sequence
@@ -176,6 +178,17 @@ class _TrialFailed(Exception):
     """A trial whose run diverged or failed: optuna records it as failed; the sweep goes on."""
 
 
+class _Repeat(Exception):
+    """A trial sampled with the values of a trial that failed: never run, told to optuna
+    as failed (it has no way to take a trial back) and marked :data:`REPEAT`."""
+
+
+# The user attribute of a trial that repeated a failed one's values: left out of the table.
+REPEAT = "slipstream_repeat_of_failed"
+# A discrete space of more combinations than this is searched for an untried one at random.
+ENUMERATE_AT_MOST = 100_000
+
+
 @dataclass
 class SweepResult:
     study: optuna.Study
@@ -258,24 +271,39 @@ def run_sweep(
     if verbose and done:
         print(f"slipstream: sweep {root}: {_count(done, 'trial')} done, {remaining} to go", file=sys.stderr)
 
+    rng = random.Random(int(base.trainer.seed) + len(study.trials))
+    exhausted = False
+
     def objective(trial: optuna.Trial) -> float:
+        nonlocal exhausted
         params = {key: suggest(trial, key, dist) for key, dist in space.distributions.items()}
+        # TPE may sample a failed trial's values again (only ever equal in a discrete
+        # space): that trial is not run; untried values are queued in its place.
+        if any(params == t.params for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))):
+            trial.set_user_attr(REPEAT, True)
+            fresh = untried(space.distributions, [t.params for t in study.trials], rng)
+            if fresh is None:
+                exhausted = True
+            else:
+                study.enqueue_trial(fresh)
+            raise _Repeat
         return _run_trial(recipe, space.overrides(params), root, trial, metric, verbose)
 
     # A failed trial does not count toward --trials: another one is run in its place,
     # up to as many failures in this call as trials were asked for (at least 3): a
     # space where every trial fails must not run for ever.
     failures = 0
-    while remaining and failures < max(trials, MAX_FAILURES):
-        study.optimize(objective, n_trials=1, catch=(_TrialFailed,))
+    while remaining and failures < max(trials, MAX_FAILURES) and not exhausted:
+        study.optimize(objective, n_trials=1, catch=(_TrialFailed, _Repeat))
         finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
         if finished > done:
             done, remaining = finished, remaining - 1
-        else:
+        elif not study.trials[-1].user_attrs.get(REPEAT):
             failures += 1
     if remaining and verbose:
+        why = "every combination of the search space has been tried" if exhausted else "stopped"
         print(
-            f"slipstream: sweep {root}: stopped after {_count(failures, 'failed trial')}, "
+            f"slipstream: sweep {root}: {why} after {_count(failures, 'failed trial')}, "
             f"{_count(remaining, 'trial')} short; see the failed trials' run directories",
             file=sys.stderr,
         )
@@ -301,6 +329,32 @@ def _check_trial_config(recipe: str | Path, overrides: list[str]) -> Any:
             f"optimizer.name {cfg.optimizer.name!r} is not supported; choose one of {', '.join(OPTIMIZERS)}"
         )
     return cfg
+
+
+def untried(
+    distributions: dict[str, BaseDistribution], tried: Sequence[dict[str, Any]], rng: random.Random
+) -> dict[str, Any] | None:
+    """Values for every key of a discrete space (choices and integers) that no trial
+    has had, drawn with ``rng``; None when every combination has been tried or the space
+    is not discrete (a continuous value is never drawn twice)."""
+    values: dict[str, list[Any]] = {}
+    for key, dist in distributions.items():
+        if isinstance(dist, CategoricalDistribution):
+            values[key] = list(dist.choices)
+        elif isinstance(dist, IntDistribution):
+            values[key] = list(range(dist.low, dist.high + 1, dist.step))
+        else:
+            return None
+    keys = list(values)
+    seen = {tuple(t.get(k) for k in keys) for t in tried}
+    if math.prod(len(v) for v in values.values()) <= ENUMERATE_AT_MOST:
+        fresh = [c for c in itertools.product(*values.values()) if c not in seen]
+        return dict(zip(keys, rng.choice(fresh), strict=True)) if fresh else None
+    for _ in range(1000):  # a space this large is mostly untried
+        combination = tuple(rng.choice(v) for v in values.values())
+        if combination not in seen:
+            return dict(zip(keys, combination, strict=True))
+    return None
 
 
 def _count(n: int, noun: str) -> str:
@@ -369,6 +423,8 @@ def trial_rows(study: optuna.Study, metric: str, root: Path) -> list[dict[str, A
     keys = sorted({k for t in study.trials for k in t.params})
     rows = []
     for t in study.trials:
+        if t.user_attrs.get(REPEAT):  # sampled again after a failure, never run
+            continue
         # A pruned trial shows the last value it reported; a failed one none, whatever
         # it reported before it diverged (it is no result to rank).
         value = t.value if t.state == TrialState.COMPLETE else None
@@ -422,7 +478,7 @@ def _write_best_recipe(
     cfg["trainer"].update(run_dir=None, load_path=None, overwrite=False)
     values = ", ".join(f"{k}={v}" for k, v in best.params.items())
     header = (
-        f"# Best of {len(study.trials)} trials of `slipstream sweep` over {recipe} "
+        f"# Best of {len(trial_rows(study, metric, root))} trials of `slipstream sweep` over {recipe} "
         f"(trial {best.number}: {metric} {best.value:.4f}).\n# Searched values: {values}\n"
     )
     path = root / BEST_RECIPE
