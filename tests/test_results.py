@@ -32,13 +32,14 @@ def make_run(
     mfu: float | None = 0.4,
     extra_lines: tuple[str, ...] = (),
     summary: bool = True,
+    data: str = "name: synthetic\n  image_size: 32\n",
 ) -> Path:
     run_dir = root / name
     run_dir.mkdir(parents=True)
     algo_yaml = "".join(f"  {a}:\n    enabled: true\n" for a in algorithms) or "  {}\n"
     (run_dir / "config.yaml").write_text(
         f"model:\n  name: {model}\n"
-        "data:\n  name: synthetic\n  image_size: 32\n"
+        f"data:\n  {data}"
         "trainer:\n  max_duration: 2ep\n"
         f"algorithms:\n{algo_yaml}"
     )
@@ -419,3 +420,15 @@ def test_issue_44_compare_json_is_strict_json(tmp_path: Path, monkeypatch, capsy
     assert json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON")) == [
         {"run": "r", "speedup": None}
     ]
+
+
+def test_issue_44_compare_says_when_runs_trained_on_different_data(tmp_path: Path) -> None:
+    """A 10-class synthetic run beside a 3-class ImageFolder run was compared with no note."""
+    synthetic = make_run(tmp_path, "synthetic", data="name: synthetic\n  num_classes: 10\n")
+    folder = make_run(tmp_path, "folder", data="name: imagefolder\n  root: /data/flowers\n")
+    same = make_run(tmp_path, "same", data="name: synthetic\n  num_classes: 10\n")
+    table = compare_runs([load_run(synthetic), load_run(folder)])
+    assert table.splitlines()[-1] == ("note: these runs trained on different data, so their accuracies do not "
+                                      "compare: synthetic: synthetic (10 classes); folder: imagefolder /data/flowers")
+    assert "different data" not in compare_runs([load_run(synthetic), load_run(same)])
+    assert compare_runs_json([load_run(folder)])[0]["data"] == "imagefolder /data/flowers"

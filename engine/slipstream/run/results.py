@@ -17,6 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from slipstream.data.sources import data_locations
 from slipstream.run import directory as rundir
 
 __all__ = [
@@ -389,7 +390,20 @@ def _row(run: Run) -> dict[str, Any]:
         "samples": _number(summary.get("samples")),
         "status": summary.get("status"),
         "path": str(run.path),
+        "data": data_of(run),
     }
+
+
+def data_of(run: Run) -> str | None:
+    """What a run trained on, as far as its config says: the dataset, where it is (its
+    plugin's ``locations``) and the number of classes (None: no config)."""
+    data = (run.config or {}).get("data") or {}
+    if not data.get("name"):
+        return None
+    parts = [str(data["name"])]
+    parts += [str(data[key]) for key in (k.split(".", 1)[1] for k in data_locations(run.config)) if data.get(key)]
+    classes = _dig(run.config, "model", "num_classes") or data.get("num_classes")
+    return " ".join(parts) + (f" ({classes} classes)" if classes else "")
 
 
 def _logged_rates(records: list[dict[str, Any]]) -> tuple[float | None, float | None]:
@@ -470,4 +484,8 @@ def compare_runs(runs: Sequence[Run], target: float | None = None) -> str:
                      "many samples; a run of other length compares by time to accuracy")
     if pct is None:
         lines.append("no time to accuracy: the first run has no evaluation; give --target (e.g. 0.6)")
+    trained_on = {row["data"] for row in rows if row["data"] is not None}
+    if len(trained_on) > 1:  # accuracies on other data, other classes: no comparison
+        lines.append("note: these runs trained on different data, so their accuracies do not compare: "
+                     + "; ".join(f"{row['run']}: {row['data']}" for row in rows if row["data"] is not None))
     return "\n".join(lines)
