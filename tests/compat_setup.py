@@ -17,7 +17,7 @@ FIVE = ("mixed_precision", "channels_last", "stepwise_lr", "image_size_curriculu
 # The example third-party plugin, not installed: the matrix loads it from its file.
 ADD = ["examples/step_timer/slipstream_step_timer.py:StepTimer"]
 SETTINGS = {
-    "grad_accumulation": {"steps": 2},  # groups end at the mid-run checkpoint (batch 2)
+    "grad_accumulation": {"steps": 2},  # a group ends at the mid-run checkpoint (batch 5, the 2nd of epoch 1)
     "grad_clipping": {"max_norm": 0.5},  # it has no default
     # Grows within 4 batches; starts at 48 px on the CNN (see slipstream.plugins.compatibility.CNN_IMAGE_SIZE).
     "image_size_curriculum": {"delay": 0.25, "finetune": 0.25, "initial_scale": 0.75},
@@ -79,7 +79,8 @@ PROBES = {
     "cutmix": _changed,
     "ema": lambda s: None if s.summary.get("ema") else "no average kept",
     "gpu_augmentation": lambda s: None if any(s.inputs_changed) else "no batch changed",
-    "grad_accumulation": lambda s: None if s.optimizer_steps * 2 == s.batches else f"{s.optimizer_steps} steps",
+    # Groups of 2 restart with each epoch of 3 batches: 2 steps an epoch.
+    "grad_accumulation": lambda s: None if s.optimizer_steps * 3 == s.batches * 2 else f"{s.optimizer_steps} steps",
     "grad_clipping": _clipped,
     "image_size_curriculum": _grows,
     "label_smoothing": _smoothed,

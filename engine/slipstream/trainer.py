@@ -57,7 +57,7 @@ from slipstream.plugins.discovery import (
     resolve_order,
     unmarked_hooks,
 )
-from slipstream.plugins.dispatch import bind, bind_event, plugin_manager
+from slipstream.plugins.dispatch import bind, bind_event, blame, plugin_manager, step_result_check
 from slipstream.plugins.variants import choose_variants, print_choice
 from slipstream.run.checkpoint import (
     checkpoint_payload,
@@ -624,6 +624,7 @@ class Trainer:
         except BaseException as error:
             state.shared_clock = False
             state.tick()
+            blame(pm, error, (*self.algorithms, *self.callbacks))  # names the plugin, for the summary too
             pm.hook.exception(state=state, error=error)
             raise
         finally:
@@ -953,7 +954,9 @@ def _checked_schedulers(schedulers: Any, optimizer: torch.optim.Optimizer) -> li
 
 def _checked_step(function: Callable[..., Any], plugin: str, step: str) -> Callable[..., Any]:
     """A replacing step implementation as pluggy and the loop call it: ``NOT_MINE``
-    becomes pluggy's None (the next implementation runs), None is an error."""
+    becomes pluggy's None (the next implementation runs), None or a result of a kind the
+    step does not allow is an error."""
+    allowed = step_result_check(plugin, step)
 
     @functools.wraps(function)
     def checked(*args: Any, **kwargs: Any) -> Any:
@@ -963,7 +966,11 @@ def _checked_step(function: Callable[..., Any], plugin: str, step: str) -> Calla
                 f"plugin {plugin!r} replaces the '{step}' step but returned None; return the "
                 f"step's result, or slipstream.NOT_MINE to leave the step to the engine"
             )
-        return None if result is hookspecs.NOT_MINE else result
+        if result is hookspecs.NOT_MINE:
+            return None
+        if allowed is not None:
+            allowed(result)
+        return result
 
     checked._slipstream_checked = True  # type: ignore[attr-defined]
     return checked
@@ -972,7 +979,9 @@ def _checked_step(function: Callable[..., Any], plugin: str, step: str) -> Calla
 def _checked_wrapper(function: Callable[..., Any], plugin: str, step: str) -> Callable[..., Any]:
     """A step wrapper (``@hookimpl(wrapper=True)``) as pluggy calls it: what it returns
     is the step's result, so None (a forgotten ``return``) is an error naming it rather
-    than a None loss or output failing somewhere after."""
+    than a None loss or output failing somewhere after; so is a result of a kind the step
+    does not allow."""
+    allowed = step_result_check(plugin, step, wraps=True)
 
     @functools.wraps(function)
     def checked(*args: Any, **kwargs: Any) -> Any:
@@ -982,6 +991,8 @@ def _checked_wrapper(function: Callable[..., Any], plugin: str, step: str) -> Ca
                 f"plugin {plugin!r} wraps the '{step}' step but returned None; a wrapper returns "
                 "the step's result: `result = yield`, then `return result` (or what replaces it)"
             )
+        if allowed is not None:
+            allowed(result)
         return result
 
     checked._slipstream_checked = True  # type: ignore[attr-defined]

@@ -43,6 +43,7 @@ from slipstream.errors import ConfigError, SlipstreamError
 from slipstream.hookspecs import hookimpl
 from slipstream.plugins.algorithm import Algorithm
 from slipstream.plugins.discovery import discover, plugin_config
+from slipstream.plugins.dispatch import raised_in
 from slipstream.state import State
 
 OPTIMIZERS = ("sgd", "adamw", "adafactor")
@@ -56,7 +57,13 @@ IMAGE_SIZE = 32  # the ViT's (8 px patches: at 0.75 of it a curriculum has 3x3 p
 # and 48 px at the start of a curriculum at initial_scale 0.75, layer4 sees 2x2 maps.
 CNN_IMAGE_SIZE = 64
 BATCH = 4
-BATCHES = 4  # one epoch; the mid-run checkpoint is after batch 2
+# Two epochs of 3 batches (per process), and the checkpoint the resume check starts from
+# is taken after batch 5, the second of epoch 1: a plugin that keeps state across an
+# epoch boundary in memory only (not in its state_dict) resumes to other weights. It ends
+# a group of gradient accumulation (2 batches, groups restart with each epoch).
+EPOCH_BATCHES = 3
+BATCHES = 2 * EPOCH_BATCHES
+RESUME_AT = EPOCH_BATCHES + 2
 NUM_CLASSES = 4
 # A parallel wrap is itself an algorithm when it is not DDP (the engine's default).
 WRAP_PLUGIN = "fsdp"
@@ -245,11 +252,76 @@ def load_file_plugin(spec: str) -> type[Algorithm]:
     assert spec_obj is not None and spec_obj.loader is not None
     module = importlib.util.module_from_spec(spec_obj)
     sys.modules[module_name] = module
-    spec_obj.loader.exec_module(module)
+    try:
+        spec_obj.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:  # a plugin's import may fail in any way
+        sys.modules.pop(module_name, None)
+        raise ConfigError(f"--add {spec!r}: {path} does not load: {type(exc).__name__}: {_first_line(exc)}") from None
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise ConfigError(f"--add {spec!r}: {attr} is not a slipstream.Algorithm subclass")
     return cls
+
+
+def load_plugins(
+    names: Sequence[str] | None, add: Sequence[str]
+) -> tuple[dict[str, type[Algorithm]], list[str]]:
+    """The classes to check (as :func:`load_classes`) and one line per problem that makes
+    the matrix meaningless, as a run of the engine would refuse it: a plugin that does not
+    load, an ``--add`` class with no name or the name of an installed algorithm (or of
+    another ``--add``), a method marked as a hook whose name is no hook or that takes an
+    argument its hook does not pass (the engine's own check, ``check_hook_names``)."""
+    installed = _installed()
+    problems: list[str] = []
+    extra: dict[str, type[Algorithm]] = {}
+    for spec in add:
+        try:
+            cls = load_file_plugin(spec)
+        except ConfigError as exc:
+            problems.append(str(exc))
+            continue
+        if not isinstance(cls.name, str) or not cls.name:
+            problems.append(f"--add {spec!r}: {cls.__name__} has no name; set the class attribute `name`")
+        elif cls.name in installed:
+            problems.append(
+                f"--add {spec!r}: {cls.__name__} is named {cls.name!r}, the name of an installed algorithm "
+                f"(distribution {installed[cls.name].distribution}); give it a name of its own"
+            )
+        elif cls.name in extra:
+            problems.append(f"--add {spec!r}: {cls.__name__} is named {cls.name!r}, as another --add is")
+        else:
+            extra[cls.name] = cls
+    wanted = list(installed) if names is None else [n for n in names if n not in extra]
+    for name in wanted:
+        try:
+            found = load_classes([name])
+        except ConfigError as exc:
+            problems.append(str(exc))
+            continue
+        extra.update(found)
+    for cls in extra.values():
+        problem = hook_problem(cls)
+        if problem:
+            problems.append(problem)
+    return dict(sorted(extra.items())), problems
+
+
+def hook_problem(cls: type[Algorithm]) -> str | None:
+    """What the engine refuses at start-up in ``cls``'s hook methods (a name that is no
+    hook, an argument the hook does not pass), or None. Checked on an instance made
+    without its config (``__init__`` is not run)."""
+    from slipstream import hookspecs
+    from slipstream.errors import PluginError
+    from slipstream.plugins.discovery import check_hook_names
+    from slipstream.plugins.dispatch import plugin_manager
+
+    pm = plugin_manager(hookspecs.PROJECT, hookspecs)
+    try:
+        pm.register(cls.__new__(cls), name=cls.name)
+        check_hook_names(pm)
+    except PluginError as exc:
+        return str(exc)
+    return None
 
 
 def tiny_model(kind: str) -> nn.Module:
@@ -266,16 +338,17 @@ def tiny_model(kind: str) -> nn.Module:
 _DATA: dict[int, Any] = {}
 
 
-def _datasets(size: int) -> tuple[Any, Any]:
-    if size not in _DATA:
+def _datasets(size: int, world_size: int = 1) -> tuple[Any, Any]:
+    """Synthetic data of :data:`EPOCH_BATCHES` batches per process and epoch."""
+    if (size, world_size) not in _DATA:
         from slipstream.data import build_datasets
 
         train, val, _ = build_datasets(
             "synthetic", image_size=size, num_classes=NUM_CLASSES,
-            train_size=BATCH * BATCHES * 2, val_size=BATCH, seed=0,
+            train_size=BATCH * EPOCH_BATCHES * world_size, val_size=BATCH, seed=0,
         )
-        _DATA[size] = (train, val)
-    return _DATA[size]
+        _DATA[size, world_size] = (train, val)
+    return _DATA[size, world_size]
 
 
 def _build_plugins(
@@ -298,8 +371,8 @@ def train_once(
     rank: int = 0,
     world_size: int = 1,
 ) -> Observed:
-    """Train ``combo`` for :data:`BATCHES` batches (checkpoints every 2, evaluated at
-    the end), or resume it from ``load``. Raises what set-up or the run raises."""
+    """Train ``combo`` for :data:`BATCHES` batches, two epochs (a checkpoint after batch
+    :data:`RESUME_AT`, evaluated at the end), or resume it from ``load``. Raises what set-up or the run raises."""
     from slipstream.data import build_loader
     from slipstream.optim import build_optimizer
     from slipstream.trainer import Trainer
@@ -308,7 +381,7 @@ def train_once(
     # Each run compiles afresh: the last run's graphs would count against dynamo's
     # recompile limit, and past it the model would silently run uncompiled.
     torch._dynamo.reset()
-    train, val = _datasets(CNN_IMAGE_SIZE if combo.model == "cnn" else IMAGE_SIZE)
+    train, val = _datasets(CNN_IMAGE_SIZE if combo.model == "cnn" else IMAGE_SIZE, world_size)
     model = tiny_model(combo.model)
     optimizer = build_optimizer(model, combo.optimizer, 0.05 if combo.optimizer == "sgd" else 1e-3)
     plugins = _build_plugins(combo, classes, settings)
@@ -325,7 +398,7 @@ def train_once(
         run_dir=run_dir,
         eval_interval=f"{BATCHES}ba",
         log_interval=BATCHES,
-        checkpoint_interval="2ba",
+        checkpoint_interval=f"{RESUME_AT}ba",
         checkpoint_keep=4,
         best_metric=None,
         load_path=load,
@@ -375,7 +448,7 @@ def _latest_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def _mid_checkpoint(run_dir: Path) -> Path:
     from slipstream.run.directory import RunDir
 
-    return RunDir(run_dir).checkpoint(0, 2)
+    return RunDir(run_dir).checkpoint(1, RESUME_AT)  # epoch 1
 
 
 def check_combo(
@@ -400,11 +473,13 @@ def check_combo(
         seen = train_once(combo, classes, run_dir, settings=settings, rank=rank, world_size=world_size)
     except SlipstreamError as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if (run_dir / "summary.json").exists():  # the run began: an error of a plugin's, mid-run
+            return Cell("failed", _first_line(exc, named=True), _since(started))
         if run_dir.exists() and any(run_dir.iterdir()):
             return Cell("failed", f"refused after writing {run_dir.name}: {reason}", _since(started))
         return Cell("refused", reason, _since(started))
     except Exception as exc:  # any crash is a finding, reported in its cell
-        return Cell("failed", f"{type(exc).__name__}: {_first_line(exc)}", _since(started))
+        return Cell("failed", _first_line(exc, named=True), _since(started))
     status = seen.summary.get("status")
     if status != "completed":
         return Cell("failed", f"status {status!r} after {seen.batches} batches", _since(started))
@@ -424,7 +499,7 @@ def check_combo(
             again_seen = train_once(combo, classes, resumed_dir, settings=settings,
                                     load=_mid_checkpoint(run_dir), rank=rank, world_size=world_size)
         except Exception as exc:
-            return Cell("failed", f"resume: {type(exc).__name__}: {_first_line(exc)}", _since(started))
+            return Cell("failed", f"resume: {_first_line(exc, named=True)}", _since(started))
         if rank == 0:
             if world_size == 1:
                 straight, again = seen.final, again_seen.final
@@ -432,7 +507,7 @@ def check_combo(
                 straight, again = _latest_weights(run_dir), _latest_weights(resumed_dir)
             differ = [k for k in straight if not torch.equal(straight[k], again[k])]
             if differ:
-                return Cell("failed", f"resume from batch 2 differs in {len(differ)} tensors "
+                return Cell("failed", f"resume from batch {RESUME_AT} (epoch 1) differs in {len(differ)} tensors "
                                       f"(first {differ[0]})", _since(started))
     return Cell("works", "", _since(started))
 
@@ -446,9 +521,16 @@ def _since(start: float) -> float:
     return round(time.perf_counter() - start, 2)
 
 
-def _first_line(exc: BaseException) -> str:
+def _first_line(exc: BaseException, named: bool = False) -> str:
+    """The first line of ``exc``'s message; ``named``: as ``TYPE: message`` (a
+    SlipstreamError as its message), after the plugin and hook that raised it."""
     text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+    line = text.splitlines()[0] if text else type(exc).__name__
+    if named:
+        where = raised_in(exc)
+        line = line if isinstance(exc, SlipstreamError) and text else f"{type(exc).__name__}: {line}"
+        line = f"{where}: {line}" if where else line
+    return line[:300]
 
 
 # -- the matrix --------------------------------------------------------------------------------
@@ -679,12 +761,14 @@ def render(matrix: Matrix, command: str) -> str:
         command,
         "```",
         "",
-        f"Each combination trains {BATCHES} batches of {BATCH} synthetic images on a tiny timm model "
+        f"Each combination trains {BATCHES} batches of {BATCH} synthetic images (two epochs of {EPOCH_BATCHES} "
+        "batches per process) on a tiny timm model "
         f"(`test_resnet` at {CNN_IMAGE_SIZE} px, the CNN, or `test_vit` at {IMAGE_SIZE} px, the ViT), "
         "on the CPU, seeded, with `trainer.autotune` off (each plugin runs its default variant). It **works** when "
         "the losses are finite, each plugin's probe sees its effect (the test suite's probes: autocast "
         "dtype, channels-last inputs, LR moving within the epoch, input size, augmented batch, ...), and "
-        "the checkpoint taken after batch 2 resumes to the same final weights bit for bit. **refused** is "
+        f"the checkpoint taken after batch {RESUME_AT}, in the second epoch, resumes to the same final weights bit "
+        "for bit (so state a plugin carries across an epoch boundary must be in its checkpoint). **refused** is "
         "a start-up refusal declared by a plugin, in one line, before anything is written (exit 2). "
         "**n/a**: no tiny model suits both (a plugin that refuses a model does not apply to it). "
         "A pair is trained on the CNN when both apply to it, otherwise on the ViT. "
@@ -899,12 +983,12 @@ def compatibility_command(
     if check and out is None:
         raise ConfigError("--check compares with --out PATH; give the table's path")
     parsed = parse_settings(settings)
-    extra = {}
-    for spec in add:
-        cls = load_file_plugin(spec)
-        extra[cls.name] = cls
     names = [n for n in algorithms.split(",") if n] if algorithms else None
-    classes = load_classes(names, extra)
+    classes, problems = load_plugins(names, add)
+    if problems:
+        for problem in problems:
+            print(f"slipstream: error: {problem}", file=sys.stderr)
+        return 2
     five = [n for n in together.split(",") if n]
     unknown = [n for n in [*five, *parsed] if n not in classes]
     if unknown:

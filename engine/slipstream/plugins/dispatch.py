@@ -206,3 +206,116 @@ def _bind(pm: pluggy.PluginManager, name: str, results: bool) -> Callable[..., A
         return found
 
     return every
+
+
+# -- what a step returns, and who raised -------------------------------------------------------
+
+
+def _scalar_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor) and value.numel() == 1
+
+
+def _module(value: Any) -> bool:
+    from torch import nn
+
+    return isinstance(value, nn.Module)
+
+
+# What the loop does with a step's result decides what it may be (hookspecs states it);
+# backward and load_state_dicts say only that they are done, and forward returns what the
+# model does. NOT_MINE and None are the caller's business (see Trainer._check_step_replacements).
+STEP_RESULTS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "compute_loss": (_scalar_tensor, "a scalar tensor (the loss, computed from state.outputs: no .item() or float())"),
+    "should_step": (lambda v: isinstance(v, bool), "True or False (whether the optimizer steps after this batch)"),
+    "optimizer_step": (lambda v: isinstance(v, bool), "True or False (whether the optimizer stepped)"),
+    "wrap_model": (_module, "a torch.nn.Module (the model to train)"),
+    "state_dicts": (lambda v: isinstance(v, dict), 'a dict {"model": ..., "optimizer": ...}'),
+}
+
+
+def step_result_check(plugin: str, step: str, wraps: bool = False) -> Callable[[Any], None] | None:
+    """For a plugin's implementation of ``step``: a check that raises a one-line
+    :class:`PluginError` naming the plugin, the step, what it returned and what is allowed,
+    when the result is of another kind; None when the step allows any result."""
+    if step not in STEP_RESULTS:
+        return None
+    allowed, what = STEP_RESULTS[step]
+    how = "wraps" if wraps else "replaces"
+
+    def check(result: Any) -> None:
+        if not allowed(result):
+            shown = repr(result)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise PluginError(
+                f"plugin {plugin!r} {how} the '{step}' step and returned a {type(result).__name__} ({shown}); "
+                f"'{step}' must return {what}"
+            )
+
+    return check
+
+
+_RAISED_IN = "_slipstream_raised_in"
+
+
+def blame(pm: pluggy.PluginManager, error: BaseException, plugins: Any = None) -> str | None:
+    """``"plugin 'NAME' raised in HOOK"`` when ``error`` came out of a hook
+    implementation of a plugin of ``pm`` (of ``plugins`` alone, when given: the run's
+    algorithms and callbacks, not the engine's services), else None. The deepest hook
+    implementation in the traceback is the one that raised (an error of the engine's
+    step under a plugin's wrapper passes through the wrapper too: it is not the plugin's).
+    The answer is kept on the error (see :func:`raised_in`) and added to it as a note,
+    which its traceback shows.
+
+    Only read after a failure: the loop calls hooks with no bookkeeping of its own."""
+    if not isinstance(error, Exception):
+        return None  # Ctrl-C while a plugin ran is not the plugin's doing
+    known = getattr(error, _RAISED_IN, None)
+    if known is not None:
+        return known
+    wanted = None if plugins is None else {id(p) for p in plugins}
+    codes: dict[Any, list[tuple[Any, str, str]]] = {}
+    for hook in vars(pm.hook):
+        caller = getattr(pm.hook, hook)
+        if hook.startswith("_") or not hasattr(caller, "get_hookimpls"):
+            continue
+        for impl in caller.get_hookimpls():  # every one: an engine's, deeper, is no plugin's doing
+            function = inspect.unwrap(impl.function)
+            code = getattr(getattr(function, "__func__", function), "__code__", None)
+            if code is not None:
+                codes.setdefault(code, []).append((impl.plugin, impl.plugin_name, hook))
+    found: list[tuple[Any, str, str]] = []
+    tb = error.__traceback__
+    while tb is not None:  # outermost first: the last match is the deepest
+        matches = codes.get(tb.tb_frame.f_code)
+        if matches:
+            this = tb.tb_frame.f_locals.get("self", None)  # one class's code serves each instance
+            found = [m for m in matches if m[0] is this] or matches
+        tb = tb.tb_next
+    if wanted is not None and any(id(plugin) not in wanted for plugin, _, _ in found):
+        return None  # the engine's own step raised (under a plugin's wrapper, maybe): no plugin's
+    names = sorted({name for _, name, _ in found})
+    if len(names) != 1 or f"plugin {names[0]!r}" in str(error):  # none, unclear, or the error names it
+        return None
+    hooks = sorted({hook for _, _, hook in found})  # one function may serve several hooks
+    where = f"plugin {names[0]!r} raised in {hooks[0] if len(hooks) == 1 else 'one of its hooks'}"
+    try:
+        setattr(error, _RAISED_IN, where)
+        error.add_note(f"slipstream: {where}")
+    except (AttributeError, TypeError):  # an exception type that takes no attributes
+        return None
+    return where
+
+
+def raised_in(error: BaseException) -> str | None:
+    """What :func:`blame` found for ``error`` (None: nothing, or it was not asked)."""
+    return getattr(error, _RAISED_IN, None)
+
+
+def error_text(error: BaseException) -> str:
+    """``"TYPE: message"``, after ``"plugin 'NAME' raised in HOOK: "`` when :func:`blame`
+    named one: what a summary and a one-line report say of a failure."""
+    text = f"{type(error).__name__}: {error}"
+    where = raised_in(error)
+    return f"{where}: {text}" if where else text

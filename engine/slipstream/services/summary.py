@@ -23,6 +23,7 @@ import torch
 
 from slipstream.errors import describe_os_error
 from slipstream.hookspecs import hookimpl
+from slipstream.plugins.dispatch import error_text
 from slipstream.run.directory import SUMMARY, atomic_write_text, strict_json
 from slipstream.run.versions import library_versions
 from slipstream.services.peak_flops import device_label
@@ -113,7 +114,7 @@ class SummaryWriter:
         if state.stop_reason is not None:
             self.summary["stop_reason"] = state.stop_reason
         if error is not None:
-            self.summary["error"] = f"{type(error).__name__}: {error}"
+            self.summary["error"] = error_text(error)  # with the plugin and hook that raised it
         if not (self.write and self._started):
             return
         try:
