@@ -86,7 +86,7 @@ def test_no_temporary_files_are_left_behind(tmp_path):
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"not a checkpoint at all")
-    with pytest.raises(CheckpointError, match="corrupt or not a PyTorch checkpoint"):
+    with pytest.raises(CheckpointError, match="cannot be read: this is a text file, not a checkpoint"):
         load_checkpoint(bad)
     torch.save({"weights": torch.zeros(1)}, tmp_path / "other.pt")
     with pytest.raises(CheckpointError, match="not a Slipstream checkpoint"):

@@ -239,7 +239,7 @@ def test_corrupt_checkpoint(tmp_path):
         in_process(
             "train", *TINY, f"trainer.load_path={bad}", f"trainer.run_dir={tmp_path / 'run'}"
         ),
-        "corrupt or not a PyTorch checkpoint",
+        "cannot be read: this is a text file, not a checkpoint",
     )
 
 

@@ -191,10 +191,9 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt or not a PyTorch checkpoint ({reason[:200]})"
-        ) from None
+        from slipstream.run.unreadable import unreadable_reason
+
+        raise CheckpointError(f"checkpoint {path} cannot be read: {unreadable_reason(path, exc)}") from None
     if not isinstance(payload, dict) or payload.get("format") not in _FORMAT_ALIASES:
         raise CheckpointError(f"{path} is not a Slipstream checkpoint (no '{FORMAT}' format tag)")
     if payload.get("format_version", 0) > FORMAT_VERSION:

@@ -26,7 +26,13 @@ from torch import nn
 
 from slipstream.data.loaders import stop_workers
 from slipstream.errors import CheckpointError, ConfigError, ConfigWarning, describe
-from slipstream.run.checkpoint import dataset_classes, load_checkpoint, select_weights, weights_in
+from slipstream.run.checkpoint import (
+    dataset_classes,
+    load_checkpoint,
+    select_weights,
+    weight_problems,
+    weights_in,
+)
 from slipstream.run.directory import atomic_write_text, fsync_dir, strict_json, write_failure
 
 # The names of the model's output indices, in an exported file (TorchScript's and
@@ -123,6 +129,7 @@ def rebuild(
             trainer.pm.unregister(name=name)
     from slipstream.run.checkpoint import load_weights
 
+    _check_fit(state.unwrapped_model, select_weights(payload, weights, checkpoint), checkpoint, weights, overrides)
     load_weights(state.unwrapped_model, checkpoint, weights=weights, payload=payload)
     from slipstream.services.nonfinite import nonfinite_names
 
@@ -135,6 +142,49 @@ def rebuild(
         )
     state.unwrapped_model.eval()
     return Rebuilt(trainer, payload, weights)
+
+
+def _check_fit(model: nn.Module, saved: Any, checkpoint: Any, weights: str, overrides: Sequence[str]) -> None:
+    """Refuse weights that do not fit the rebuilt model, saying what eval and export
+    allow: every weight of the checkpoint goes into the model it was trained with (no
+    trainer.load_ignore_keys, which leaves weights untrained: a number measured with
+    them would be of no trained model)."""
+    problems = weight_problems(saved, model.state_dict())
+    if not problems:
+        return
+    changed = [o for o in overrides if o.split("=", 1)[0].startswith(("model.", "data.num_classes"))]
+    cause = (
+        f"drop the overrides that change the model ({', '.join(changed)})"
+        if changed
+        else "evaluate it with the model and classes it was trained with"
+    )
+    raise CheckpointError(
+        f"checkpoint {checkpoint}: its {weights} weights do not fit {type(model).__name__}; "
+        + "; ".join(problems)
+        + f". eval and export load every weight of the checkpoint into the model it was trained with: {cause}; "
+        "for another model, fine-tune one from it first (slipstream train trainer.load_path=... "
+        "trainer.load_weights_only=true trainer.load_ignore_keys=[...]) and evaluate that run"
+    )
+
+
+def note_weights(payload: Any, weights: str, checkpoint: Any, doing: str) -> None:
+    """Warn in one line where ``weights`` are not those the run evaluated with: an EMA
+    run's evaluations (and its summary's accuracy) are of its averaged weights, and the
+    model's own weights give another number. A plugin that keeps weights evaluates with
+    them unless its options say ``eval_with_<kind>: false`` (ema's ``eval_with_ema``)."""
+    for name, record in (payload.get("plugins") or {}).items():
+        kind = record.get("weights")
+        if not kind or kind == weights or not (record.get("state") or {}).get("weights"):
+            continue
+        if (record.get("config") or {}).get(f"eval_with_{kind}", True) is False:
+            continue
+        warnings.warn(
+            f"slipstream: {doing} the model's own weights of {checkpoint}; the run evaluated with "
+            f"its {kind} weights{f' (plugin {name})' if name != kind else ''}, as its summary's accuracy is: "
+            f"give --weights {kind} for those",
+            stacklevel=3,
+        )
+        return
 
 
 def check_classes(trained: Sequence[str] | None, data: Sequence[str] | None, checkpoint: Any) -> None:
@@ -172,6 +222,7 @@ def evaluate_checkpoint(
         if state.eval_loader is None:
             raise ConfigError("slipstream eval: the config gives no eval data")
         check_classes(rebuilt.payload.get("classes"), dataset_classes(state.eval_loader), checkpoint)
+        note_weights(rebuilt.payload, weights, checkpoint, "evaluating")
         try:
             metrics = rebuilt.trainer.evaluator.evaluate(state)
         finally:  # persistent workers left to the interpreter's exit delay it (data.loaders)
@@ -468,6 +519,7 @@ def export_checkpoint(
             weights=weights,
             run_dir=scratch,
         )
+        note_weights(rebuilt.payload, weights, checkpoint, "exporting")
         model = rebuilt.model.float()
         for plugin in reversed(rebuilt.trainer.algorithms):
             model = plugin.export_model(model)
