@@ -420,3 +420,49 @@ def test_autoresume_finds_data_that_moved(data, tmp_path, capsys, source) -> Non
     capsys.readouterr()
     assert main([*resumed, "trainer.max_duration=6ba", "optimizer.lr=0.5"]) == 2
     assert "these keys differ: optimizer.lr" in capsys.readouterr().err
+
+
+def _shard_with_unreadable(path: Path, count: int, bad: set[int]) -> Path:
+    """A shard of ``count`` 8x8 PNGs (labels 0..2), those at ``bad`` not images."""
+    with tarfile.open(path, "w") as tar:
+        for i in range(count):
+            buffer = io.BytesIO()
+            Image.new("RGB", (8, 8), (9 * i, 0, 0)).save(buffer, format="PNG")
+            for ext, payload in (("png", b"not an image" if i in bad else buffer.getvalue()),
+                                 ("cls", str(i % 3).encode())):
+                member = tarfile.TarInfo(f"{i:06d}.{ext}")
+                member.size = len(payload)
+                tar.addfile(member, io.BytesIO(payload))
+    return path
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_issue_44_case_12_unreadable_shard_images_are_named_once_for_the_run_by_key(
+    tmp_path, capfd, monkeypatch, workers
+) -> None:
+    """Issue 44, case 12: WebDataset's unreadable-image warnings started afresh every
+    epoch (each epoch's stream, and its workers, kept their own log) so they went on past
+    their cap, and named the image `<_io.BytesIO object at 0x...>`; now the loader's log
+    names each sample by shard and key, once, up to the cap for the whole run."""
+    from slipstream.data import decode
+
+    monkeypatch.setattr(decode, "MAX_NAMED", 2)
+    shard = _shard_with_unreadable(tmp_path / "bad.tar", 12, bad={1, 4, 7})
+    out = built({"name": "webdataset", "urls": str(shard), "shuffle_block": 1}, num_workers=workers)
+    for epoch in range(3):
+        assert len(epoch_prints(out.train, epoch)) == 12  # training: the next image stands in
+    err = capfd.readouterr().err
+    assert err.count("skipping unreadable image") == 2, err
+    assert err.count("further ones are skipped without a message") == 1, err
+    assert f"{shard}:000001.png (not an image file" in err and "BytesIO" not in err
+
+
+def test_issue_44_webdataset_evaluation_counts_an_unreadable_image_not_its_stand_in(tmp_path, capfd) -> None:
+    """Issue 44: WebDataset evaluation counted the stand-in for an unreadable image twice
+    (it replaced the unreadable one in the batch); an evaluation leaves it out instead."""
+    shard = _shard_with_unreadable(tmp_path / "val.tar", 10, bad={3, 9})  # 9: the last, no image after it
+    out = built({"name": "webdataset", "urls": str(shard), "eval_urls": str(shard)})
+    labels = [int(y) for _, targets in out.eval for y in targets]
+    assert labels == [i % 3 for i in range(10) if i not in (3, 9)]
+    err = capfd.readouterr().err
+    assert err.count("it is left out of the evaluation") == 2, err

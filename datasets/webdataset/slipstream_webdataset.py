@@ -313,7 +313,14 @@ class WebDatasetShards(DatasetPlugin):
                 f"{request.batch_size} per process for {request.world_size} process(es)"
             )
         eval_loader = (
-            StreamLoader(evals, batch_size=request.eval_batch_size, shuffle=False, drop_last=False, **common)
+            StreamLoader(
+                evals,
+                batch_size=request.eval_batch_size,
+                shuffle=False,
+                drop_last=False,
+                replace_unreadable=False,  # a stand-in would be evaluated, and counted, twice
+                **common,
+            )
             if evals is not None
             else None
         )

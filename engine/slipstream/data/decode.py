@@ -8,6 +8,7 @@ crop, all on uint8; float conversion and normalisation happen later, on the devi
 from __future__ import annotations
 
 import io
+import re
 import sys
 
 import numpy as np
@@ -37,7 +38,16 @@ def decode_rgb(data: bytes | bytearray | memoryview, name: str) -> torch.Tensor:
         with Image.open(io.BytesIO(bytes(data))) as image:
             return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
     except (OSError, SyntaxError, ValueError) as err:
-        raise DataError(f"cannot decode {name}: {' '.join(str(err).split()) or type(err).__name__}") from None
+        raise DataError(f"cannot decode {name}: {_reason(err)}") from None
+
+
+def _reason(err: BaseException) -> str:
+    """PIL's error in words: without the ``<_io.BytesIO object at 0x...>`` it names the
+    bytes by (``name`` is the sample's name)."""
+    text = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", " ".join(str(err).split()))
+    if text == "cannot identify image file":
+        return "not an image file (no format Pillow or torchvision reads)"
+    return text or type(err).__name__
 
 
 class ResizeCrop:
@@ -54,23 +64,27 @@ class ResizeCrop:
 
 
 class SkipLog:
-    """Names each unreadable sample once on stderr (the first MAX_NAMED per process),
-    for every source that skips them."""
+    """Names each unreadable sample once on stderr (the first MAX_NAMED per log), for
+    every source that skips them."""
 
-    def __init__(self, where: str) -> None:
-        self.where = where  # what the replacement comes from ("shard", "image's class")
+    def __init__(self, where: str | None) -> None:
+        # What the replacement comes from ("shard", "image's class"); None: no
+        # replacement, the sample is left out (an evaluation).
+        self.where = where
         self.skipped: list[str] = []
 
     def warn(self, name: str, reason: str) -> None:
         if name in self.skipped:
             return  # named once (a later epoch reads it again)
         self.skipped.append(name)
+        reason = reason.removeprefix(f"cannot decode {name}: ")  # the name is in the line already
         if len(self.skipped) <= MAX_NAMED:
-            print(
-                f"slipstream: warning: skipping unreadable image {name} ({reason}); "
-                f"the next image in the {self.where} is used in its place",
-                file=sys.stderr,
+            instead = (
+                f"the next image in the {self.where} is used in its place"
+                if self.where
+                else "it is left out of the evaluation"
             )
+            print(f"slipstream: warning: skipping unreadable image {name} ({reason}); {instead}", file=sys.stderr)
         if len(self.skipped) == MAX_NAMED:
             print(
                 f"slipstream: warning: {MAX_NAMED} unreadable images named; "

@@ -82,7 +82,12 @@ class _EpochStream(IterableDataset):
         self.epoch = loader.epoch
         self.start_batch = loader.start_batch
         self.workers = max(1, loader.num_workers)
-        self.skips = SkipLog("shard")
+        self.replace = loader.replace_unreadable
+        # (name, reason) of the unreadable samples met since the last batch: they travel
+        # with the next batch to the loader's log in the main process, which names each
+        # once and stops at its cap for the whole run (a worker's own log would start
+        # afresh every epoch, as the workers do).
+        self.skipped: list[tuple[str, str]] = []
 
     # -- the epoch's layout ---------------------------------------------------------
     def shard_order(self) -> list[int]:
@@ -124,14 +129,17 @@ class _EpochStream(IterableDataset):
 
     def decoded(self, raws: Iterator[Any]) -> Iterator[tuple[torch.Tensor, int]]:
         """Decoded samples; an unreadable one is named and replaced by the next readable
-        one (the last one at the end of the stream), so batch counts never change."""
+        one (the last one at the end of the stream), so batch counts never change. An
+        evaluation's stream (``replace_unreadable=False``) leaves it out instead: a
+        stand-in would be counted twice, in the accuracy and in the samples."""
         pending, last = 0, None
         for raw in raws:
             try:
                 item = self.source.decode(raw)
             except DataError as err:
-                self.skips.warn(self.source.sample_name(raw), str(err))
-                pending += 1
+                self.skipped.append((self.source.sample_name(raw), str(err)))
+                if self.replace:
+                    pending += 1
                 continue
             for _ in range(pending + 1):
                 yield item
@@ -163,10 +171,16 @@ class _EpochStream(IterableDataset):
             images.append(image)
             labels.append(label)
             if len(images) == self.batch_size:
-                yield torch.stack(images), torch.tensor(labels, dtype=torch.int64)
+                yield torch.stack(images), torch.tensor(labels, dtype=torch.int64), self._take_skipped()
                 images, labels = [], []
         if images:
-            yield torch.stack(images), torch.tensor(labels, dtype=torch.int64)
+            yield torch.stack(images), torch.tensor(labels, dtype=torch.int64), self._take_skipped()
+        elif self.skipped:  # met after the last batch: no batch, only their names
+            yield None, None, self._take_skipped()
+
+    def _take_skipped(self) -> list[tuple[str, str]]:
+        taken, self.skipped = self.skipped, []
+        return taken
 
 
 def batches_for(length: int, batch_size: int, drop_last: bool, total: int, world_size: int) -> int:
@@ -198,6 +212,7 @@ class StreamLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
         drop_last: bool = True,
+        replace_unreadable: bool = True,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1; got {batch_size}")
@@ -215,6 +230,10 @@ class StreamLoader:
         self.start_batch = 0
         self.num_samples = int(sum(source.shard_sizes))
         self.dataset = source
+        # Training replaces an unreadable sample with the next one (batch counts stay);
+        # an evaluation leaves it out (a stand-in would be counted twice).
+        self.replace_unreadable = replace_unreadable
+        self.skips = SkipLog("shard" if replace_unreadable else None)  # the whole run's, in this process
 
     # Its batches are split among its workers (see the module's docstring): a resume
     # with another data.num_workers does not continue the order the run had.
@@ -246,7 +265,16 @@ class StreamLoader:
             pin_memory=self.pin_memory,
         )
         self.start_batch = 0  # the stream above keeps it: a resume applies to one epoch only
-        return _one_line_errors(iter(loader))
+        return self._logged(_one_line_errors(iter(loader)))
+
+    def _logged(self, batches: Iterator[Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches, the unreadable samples that came with each named in this
+        process's log (once each, at most MAX_NAMED for the run)."""
+        for images, labels, skipped in batches:
+            for name, reason in skipped:
+                self.skips.warn(name, reason)
+            if images is not None:
+                yield images, labels
 
 
 def _one_line_errors(batches: Iterator[Any]) -> Iterator[Any]:
