@@ -466,3 +466,15 @@ def test_issue_44_webdataset_evaluation_counts_an_unreadable_image_not_its_stand
     assert labels == [i % 3 for i in range(10) if i not in (3, 9)]
     err = capfd.readouterr().err
     assert err.count("it is left out of the evaluation") == 2, err
+
+
+def test_issue_44_case_12_a_hugging_face_dataset_without_an_evaluation_split_is_warned_about(data, tmp_path) -> None:
+    """Issue 44, case 12: a Hugging Face dataset without an evaluation split turned
+    evaluation off without a word."""
+    import datasets
+
+    datasets.load_from_disk(data["hf"]["path"])["train"].to_parquet(str(tmp_path / "train-00000-of-00001.parquet"))
+    with pytest.warns(UserWarning, match=r"has no evaluation split .*its splits: train\): the run trains without "
+                                         r"evaluation and reports no accuracy; name one with data.eval_split"):
+        out = built({"name": "huggingface", "path": str(tmp_path)})
+    assert out.eval is None

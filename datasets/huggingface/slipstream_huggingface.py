@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -177,6 +178,13 @@ class HuggingFaceDataset(DatasetPlugin):
         if eval_split is not None and eval_split not in splits:
             raise DataError(
                 f"data.eval_split={eval_split!r}: {c.path} has no such split; its splits: {', '.join(splits)}"
+            )
+        if eval_split is None:  # no evaluation: said, not left for the summary's missing accuracy to tell
+            warnings.warn(
+                f"slipstream: data.path={c.path} has no evaluation split ({', '.join(EVAL_SPLITS)}; its splits: "
+                f"{', '.join(splits)}): the run trains without evaluation and reports no accuracy; "
+                "name one with data.eval_split=NAME",
+                stacklevel=2,
             )
         names = [c.split] if eval_split is None else [c.split, eval_split]  # no eval split: no evaluation
         tables = [splits[name] for name in names]
