@@ -478,3 +478,43 @@ def test_issue_44_case_12_a_hugging_face_dataset_without_an_evaluation_split_is_
                                          r"evaluation and reports no accuracy; name one with data.eval_split"):
         out = built({"name": "huggingface", "path": str(tmp_path)})
     assert out.eval is None
+
+
+def test_issue_44_case_12_convert_leaves_out_empty_and_corrupt_images_with_one_line_and_a_count(
+    tmp_path, capsys
+) -> None:
+    """Issue 44, case 12: `slipstream data convert` copied corrupt and zero-byte files
+    into the shards without a word; they are left out, counted in one warning line, and
+    a split none of whose images can be read is refused."""
+    from helpers import colour_image_folder
+
+    tree = colour_image_folder(tmp_path / "tree", {"a": (200, 0, 0), "b": (0, 200, 0)}, per_class=3)
+    (tree / "train" / "a" / "empty.png").write_bytes(b"")
+    (tree / "train" / "b" / "broken.png").write_bytes(b"\x89PNG not really")
+    out = tmp_path / "wds"
+    assert main(["data", "convert", "imagefolder", str(tree), "--to", "webdataset", str(out), "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    warned = [line for line in captured.err.splitlines() if "left out of the shards" in line]
+    assert len(warned) == 1 and warned[0].startswith("slipstream: warning: convert: 2 of the 8 train images"), warned
+    assert "1 empty (0 bytes), 1 not an image or damaged" in warned[0]
+    assert "train: 6 images in 1 shards (2 unreadable left out)" in captured.out
+    with tarfile.open(out / "train-000000.tar") as tar:
+        assert len([m for m in tar.getnames() if m.endswith(".png")]) == 6
+    for image in (tree / "val" / "a").iterdir():
+        image.write_bytes(b"")
+    for image in (tree / "val" / "b").iterdir():
+        image.write_bytes(b"")
+    assert main(["data", "convert", "imagefolder", str(tree), "--to", "webdataset", str(tmp_path / "o2")]) == 2
+    assert "none of the 6 images of val can be read (6 empty (0 bytes)" in capsys.readouterr().err
+
+
+def test_issue_44_case_12_a_folder_as_data_urls_is_named_a_folder_with_the_pattern_to_give(data, tmp_path) -> None:
+    """Issue 44, case 12: `data.urls=DIR` said "no shard exists" of a folder that exists."""
+    folder = data["root"] / "wds"
+    last = len(sorted(folder.glob("train-*.tar"))) - 1
+    message = _bad(data, urls=str(folder))
+    pattern = f"'{folder}/train-{{000000..{last:06d}}}.tar'"
+    assert f"{folder} is a folder, not a shard: give its shards, e.g. {pattern}" in message
+    assert f"'{folder}/*.tar' (a glob" in message
+    (tmp_path / "empty").mkdir()
+    assert "holds no .tar file" in _bad(data, urls=str(tmp_path / "empty"))

@@ -14,7 +14,9 @@ import glob
 import json
 import os
 import random
+import re
 import tarfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +71,9 @@ def expand(urls: Any, key: str) -> list[str]:
     if not out:
         raise DataError(f"data.{key}={urls!r} names no shard")
     local = [u for u in out if _is_local(u)]
+    folders = [u for u in local if os.path.isdir(_local_path(u))]
+    if folders:
+        raise DataError(f"data.{key}={urls!r}: {_folder_advice(_local_path(folders[0]))}")
     missing = [u for u in local if not os.path.isfile(_local_path(u))]
     if missing and len(missing) == len(out):
         raise DataError(f"data.{key}={urls!r} matches nothing: no shard exists (first: {missing[0]})")
@@ -77,6 +82,47 @@ def expand(urls: Any, key: str) -> list[str]:
             f"data.{key}: {len(missing)} of {len(out)} shards do not exist (first: {missing[0]})"
         )
     return out
+
+
+def _unreadable(data: bytes) -> str | None:
+    """Why ``data`` is no image to copy into a shard (``empty``, ``not an image``), or
+    None. Pillow reads the header and checks what it can without decoding (a PNG's
+    checksums; not a JPEG cut short, which training names and skips)."""
+    import io
+
+    from PIL import Image
+
+    if not data:
+        return "empty (0 bytes)"
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.verify()
+    except Exception:  # Pillow raises many kinds for a bad file
+        return "not an image or damaged"
+    return None
+
+
+def _folder_advice(folder: str) -> str:
+    """What to give for a folder of shards: the shards themselves, as a brace pattern
+    (its own, when it holds NAME-000000.tar ...) or a glob."""
+    base = folder.rstrip("/\\") or folder
+    names = sorted(Path(base).glob("*.tar"))
+    numbered: dict[str, list[str]] = {}
+    for name in names:
+        match = re.fullmatch(r"(.*?)(\d+)\.tar", name.name)
+        if match:
+            numbered.setdefault(match.group(1), []).append(match.group(2))
+    if numbered:
+        prefix, numbers = max(numbered.items(), key=lambda item: len(item[1]))
+        pattern = f"{base}/{prefix}{{{numbers[0]}..{numbers[-1]}}}.tar"
+        return (
+            f"{base} is a folder, not a shard: give its shards, e.g. '{pattern}' (a brace range) or "
+            f"'{base}/*.tar' (a glob; it holds {len(names)} .tar files)"
+        )
+    return (
+        f"{base} is a folder, not a shard, and holds no .tar file: give the shards, e.g. "
+        f"'{base}/shard-{{000000..000009}}.tar' or '{base}/*.tar'"
+    )
 
 
 def _is_local(url: str) -> bool:
@@ -371,18 +417,42 @@ def convert_imagefolder(src: str, out: str, *, shard_size: int, progress: bool =
     bar = tqdm(total=total, unit="img", desc="convert", disable=not progress)
     for split, (samples, _classes) in plan.items():
         pattern = str(out_dir / f"{split}-%06d.tar")
+        skipped: dict[str, list[str]] = {}  # why -> the files left out
+        written_count = 0
         with wds.ShardWriter(pattern, maxsize=shard_size, maxcount=10**9, verbose=0) as sink:
-            for i, (path, label) in enumerate(samples):
+            for path, label in samples:
+                data = Path(path).read_bytes()
+                why = _unreadable(data)
+                bar.update(1)
+                if why is not None:  # copied, it would be skipped (and named) every epoch of every run
+                    skipped.setdefault(why, []).append(path)
+                    continue
                 ext = Path(path).suffix.lower().lstrip(".")
                 ext = {"jpeg": "jpg", "jpe": "jpg", "tif": "tiff"}.get(ext, ext)
-                sink.write({"__key__": f"{i:09d}", ext: Path(path).read_bytes(), LABEL_EXT: str(label)})
-                bar.update(1)
+                sink.write({"__key__": f"{written_count:09d}", ext: data, LABEL_EXT: str(label)})
+                written_count += 1
+        if skipped:
+            left_out = sum(len(paths) for paths in skipped.values())
+            counts = ", ".join(f"{len(paths)} {why}" for why, paths in skipped.items())
+            first = next(iter(skipped.values()))[0]
+            if not written_count:
+                raise DataError(
+                    f"convert: none of the {left_out} images of {split} can be read ({counts}; first: {first})"
+                )
+            warnings.warn(
+                f"slipstream: convert: {left_out} of the {len(samples)} {split} images are left out of the shards, "
+                f"unreadable ({counts}; first: {first})",
+                stacklevel=2,
+            )
         written = sorted(out_dir.glob(f"{split}-*.tar"))
         shards = len(written)
-        result["samples"][split] = len(samples)
+        result["samples"][split] = written_count
+        result.setdefault("skipped", {})[split] = len(samples) - written_count
         result["shards"][split] = shards
         last = shards - 1
         result["urls" if split == "train" else "eval_urls"] = str(out_dir / f"{split}-{{000000..{last:06d}}}.tar")
     bar.close()
-    (out_dir / "classes.json").write_text(json.dumps(next(iter(plan.values()))[1]) + "\n")
+    from slipstream.run.directory import atomic_write_text
+
+    atomic_write_text(out_dir / "classes.json", json.dumps(next(iter(plan.values()))[1]) + "\n")
     return result

@@ -742,7 +742,9 @@ def _data(args: argparse.Namespace) -> int:
     src, out = (os.path.expanduser(p) for p in (args.src, args.out))  # '~/data', quoted
     result = writer(args.source, src, out, shard_size=shard_size, progress=not args.no_progress)
     for split, count in result.get("samples", {}).items():
-        print(f"{split}: {count} images in {result['shards'][split]} shards")
+        skipped = result.get("skipped", {}).get(split)
+        note = f" ({skipped} unreadable left out)" if skipped else ""
+        print(f"{split}: {count} images in {result['shards'][split]} shards{note}")
     keys = " ".join(f"'data.{k}={result[k]}'" for k in ("urls", "eval_urls") if k in result)
     print(f"train on them with: slipstream train data.name={args.to} {keys}")
     return 0
