@@ -553,3 +553,26 @@ def test_fit_ends_its_loaders_persistent_workers_and_a_second_fit_starts_new_one
         eval_data=loaders[1], max_duration="1ep", run_dir=tmp_path / "again", progress_bar=False, verbose=False,
     ).fit()
     assert again["status"] == "completed" and again["batches"] == 4
+
+
+def test_issue_44_an_imagefolder_evaluation_leaves_an_unreadable_image_out_instead_of_counting_a_stand_in(
+    tmp_path: Path, capsys
+) -> None:
+    """Issue 44: an unreadable image of the evaluated split was replaced by the next one
+    of its class, which the evaluation then counted twice (in the accuracy and the
+    samples); the val split leaves it out of its batch, training still replaces it."""
+    from helpers import colour_image_folder
+    from slipstream.data.datasets import build_datasets
+
+    root = colour_image_folder(tmp_path / "tree", {"a": (200, 0, 0), "b": (0, 200, 0)}, per_class=3)
+    (root / "val" / "a" / "1.png").write_bytes(b"not an image")
+    (root / "train" / "a" / "1.png").write_bytes(b"not an image")
+    train, val, _ = build_datasets("imagefolder", root=root, image_size=8)
+    evaluated = build_loader(val, batch_size=4, shuffle=False, drop_last=False)
+    labels = [int(y) for _, targets in evaluated for y in targets]
+    assert sorted(labels) == [0, 0, 1, 1, 1]  # 6 files, 1 unreadable: 5 evaluated, none twice
+    err = capsys.readouterr().err
+    assert "1.png (" in err and "it is left out of the evaluation" in err
+    trained = build_loader(train, batch_size=3, shuffle=False, drop_last=False)
+    assert sum(len(targets) for _, targets in trained) == 6  # training: a stand-in, batch counts kept
+    assert "the next image in the image's class is used in its place" in capsys.readouterr().err

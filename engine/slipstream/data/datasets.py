@@ -141,7 +141,8 @@ def _imagefolder(root: str | os.PathLike | None, image_size: int) -> tuple[Datas
         if not path.is_dir():
             raise DataError(f"imagefolder: {path} does not exist; expected {layout}")
         try:
-            splits[split] = SkippingImageFolder(str(path), transform=tf, loader=read_rgb)
+            # val is evaluated: an unreadable image is left out, not counted twice through a stand-in
+            splits[split] = SkippingImageFolder(str(path), transform=tf, loader=read_rgb, replace=split == "train")
         except FileNotFoundError as err:  # no class folders or no images in them
             raise DataError(f"imagefolder: {err}; expected {layout}") from err
     train, val = splits["train"], splits["val"]

@@ -2,8 +2,9 @@
 
 A corrupt or truncated file in a folder of thousands should not end a run hours
 in: the item is replaced by the next readable one of its class's folder (so its
-label stays true), and the file is named on stderr once (``slipstream.data.decode.SkipLog``:
-the first 10 files per process). A class folder in which no image can be read is an error.
+label stays true; an evaluation's split leaves it out of its batch instead), and the
+file is named on stderr once (``slipstream.data.decode.SkipLog``: the first 10 files
+per process). A class folder in which no image can be read is an error.
 """
 
 from __future__ import annotations
@@ -14,11 +15,18 @@ from torchvision import datasets
 
 
 class SkippingImageFolder(datasets.ImageFolder):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    """``replace=False`` (an evaluation's split): an unreadable image is left out of its
+    batch instead of replaced, since a stand-in would be evaluated, and counted, twice.
+    (A batch none of whose images can be read still gets stand-ins: a batch of none is
+    no batch.)"""
+
+    def __init__(self, *args: Any, replace: bool = True, **kwargs: Any) -> None:
         from slipstream.data.decode import SkipLog  # it imports the module that builds this class
 
         super().__init__(*args, **kwargs)
-        self.log = SkipLog("image's class")  # per process: DataLoader workers keep their own
+        self.replace = replace
+        # per process: DataLoader workers keep their own
+        self.log = SkipLog("image's class" if replace else None)
         # Each class's items are contiguous (ImageFolder sorts by class): [start, stop).
         self._spans: dict[int, tuple[int, int]] = {}
         for i, target in enumerate(self.targets):
@@ -28,6 +36,21 @@ class SkippingImageFolder(datasets.ImageFolder):
     @property
     def skipped(self) -> list[str]:
         return self.log.skipped
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[Any, int]]:
+        """A batch's items (the DataLoader asks for them together): without the
+        unreadable ones where ``replace`` is off."""
+        if self.replace:
+            return [self[i] for i in indices]
+        from slipstream.data.datasets import DataError
+
+        items = []
+        for i in indices:
+            try:
+                items.append(super().__getitem__(i))
+            except (OSError, SyntaxError, DataError) as exc:
+                self.log.warn(self.samples[i][0], " ".join(str(exc).split()) or type(exc).__name__)
+        return items or [self[i] for i in indices]
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
         from slipstream.data.datasets import DataError  # that module builds this class: import late
