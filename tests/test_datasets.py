@@ -518,3 +518,20 @@ def test_issue_44_case_12_a_folder_as_data_urls_is_named_a_folder_with_the_patte
     assert f"'{folder}/*.tar' (a glob" in message
     (tmp_path / "empty").mkdir()
     assert "holds no .tar file" in _bad(data, urls=str(tmp_path / "empty"))
+
+
+def test_issue_44_a_hugging_face_evaluation_leaves_an_unreadable_image_out(data, tmp_path, capfd) -> None:
+    """Issue 44: the evaluated split's unreadable image was replaced by the next one,
+    which the evaluation then counted twice; it is left out of its batch instead."""
+    import datasets
+
+    hf = datasets.load_from_disk(data["hf"]["path"])
+    rows = hf["validation"].cast_column("image", datasets.Image(decode=False)).to_dict()
+    rows["image"][2] = {"bytes": b"not an image", "path": None}
+    broken = datasets.Dataset.from_dict(rows, features=hf["validation"].features)
+    datasets.DatasetDict({"train": hf["train"], "validation": broken}).save_to_disk(str(tmp_path / "hf"))
+    out = built({"name": "huggingface", "path": str(tmp_path / "hf")})
+    out.eval.sampler.set_epoch(0)
+    labels = [int(y) for _, targets in out.eval for y in targets]
+    assert labels == [y for i, y in enumerate(rows["label"]) if i != 2]
+    assert "it is left out of the evaluation" in capfd.readouterr().err

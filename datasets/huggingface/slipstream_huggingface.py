@@ -83,12 +83,17 @@ def _load(path: str) -> dict[str, Any]:
 
 class HFImages(Dataset):
     """A datasets.Dataset as ``(uint8 3 x S x S, int)`` items, decoded from the stored
-    bytes; an unreadable image is named and replaced by the next readable one."""
+    bytes; an unreadable image is named and replaced by the next readable one, or, with
+    ``replace=False`` (the evaluated split), left out of its batch: a stand-in would be
+    evaluated, and counted, twice."""
 
-    def __init__(self, table: Any, image_column: str, label_column: str, image_size: int, where: str) -> None:
+    def __init__(
+        self, table: Any, image_column: str, label_column: str, image_size: int, where: str, replace: bool = True
+    ) -> None:
         import datasets
 
         self.where = where
+        self.replace = replace
         self.image_column, self.label_column = image_column, label_column
         feature = table.features[image_column]
         if isinstance(feature, datasets.Image):
@@ -100,7 +105,7 @@ class HFImages(Dataset):
             )
         self.table = table.select_columns([image_column, label_column])
         self.resize = ResizeCrop(image_size)
-        self.skips = SkipLog("dataset")
+        self.skips = SkipLog("dataset" if replace else None)
 
     def __len__(self) -> int:
         return len(self.table)
@@ -142,8 +147,10 @@ class HFImages(Dataset):
                 out.append((self._decode(value, i), int(label)))
             except DataError as err:
                 self.skips.warn(f"{self.where}[{i}]", str(err))
-                out.append(self._item((i + 1) % len(self)))
-        return out
+                if self.replace:
+                    out.append(self._item((i + 1) % len(self)))
+        # A batch of none is no batch: stand-ins, named already, where nothing could be read.
+        return out or [self._item(i) for i in indices]
 
 
 def _num_classes(tables: list[Any], column: str) -> int:
@@ -196,7 +203,7 @@ class HuggingFaceDataset(DatasetPlugin):
                         f"its columns: {', '.join(table.column_names)}"
                     )
         train, *val = (
-            HFImages(t, c.image_column, c.label_column, request.image_size, f"{c.path}:{s}")
+            HFImages(t, c.image_column, c.label_column, request.image_size, f"{c.path}:{s}", replace=s == c.split)
             for t, s in zip(tables, names, strict=True)
         )
         return train, (val[0] if val else None), _num_classes(tables, c.label_column)
