@@ -25,10 +25,17 @@ implementation in a run), and a lone implementation is returned itself.
 Exceptions propagate as pluggy propagates them. A plugin registered after binding is
 not seen until the hooks are bound again (the trainer binds after ``init``, where
 plugins may register helpers).
+
+Two checks cost nothing on the way: :func:`step_result_check` is what the trainer's
+wrapper around a plugin's step (which it has anyway, for None) applies to the result
+(``should_step`` returns a bool, ``compute_loss`` a scalar tensor, ...), and
+:func:`blame`, called only once a run has failed, reads the traceback for the plugin
+and hook that raised.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from collections.abc import Callable
@@ -37,6 +44,7 @@ from typing import Any
 import pluggy
 
 from slipstream.errors import PluginError, did_you_mean
+from slipstream.hookspecs import NOT_MINE, STEPS
 
 
 class PluginManager(pluggy.PluginManager):
@@ -319,3 +327,75 @@ def error_text(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}"
     where = raised_in(error)
     return f"{where}: {text}" if where else text
+
+
+def check_step_implementations(pm: pluggy.PluginManager, engine_steps: Any) -> None:
+    """Each step replaced by at most one plugin (besides ``engine_steps``, the engine's
+    own), and every plugin's step implementation wrapped in its result check (this is
+    the one place that rewrites pluggy's ``HookImpl.function``)."""
+    for step in STEPS:
+        impls = [
+            impl
+            for impl in getattr(pm.hook, step).get_hookimpls()
+            if not (impl.wrapper or impl.hookwrapper) and impl.plugin is not engine_steps
+        ]
+        for impl in impls:
+            if not getattr(impl.function, "_slipstream_checked", False):
+                impl.function = _checked_step(impl.function, impl.plugin_name, step)
+        for impl in getattr(pm.hook, step).get_hookimpls():
+            if impl.wrapper and not getattr(impl.function, "_slipstream_checked", False):
+                impl.function = _checked_wrapper(impl.function, impl.plugin_name, step)
+        replacing = [impl.plugin_name for impl in impls]
+        if len(replacing) > 1:
+            raise PluginError(
+                f"plugins {replacing[0]!r} and {replacing[1]!r} both replace the '{step}' step, "
+                "so only one of them could run; disable one, or make one wrap the step "
+                "with @hookimpl(wrapper=True)"
+            )
+
+
+def _checked_step(function: Callable[..., Any], plugin: str, step: str) -> Callable[..., Any]:
+    """A replacing step implementation as pluggy and the loop call it: ``NOT_MINE``
+    becomes pluggy's None (the next implementation runs), None or a result of a kind the
+    step does not allow is an error."""
+    allowed = step_result_check(plugin, step)
+
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        result = function(*args, **kwargs)
+        if result is None:
+            raise PluginError(
+                f"plugin {plugin!r} replaces the '{step}' step but returned None; return the "
+                f"step's result, or slipstream.NOT_MINE to leave the step to the engine"
+            )
+        if result is NOT_MINE:
+            return None
+        if allowed is not None:
+            allowed(result)
+        return result
+
+    checked._slipstream_checked = True  # type: ignore[attr-defined]
+    return checked
+
+
+def _checked_wrapper(function: Callable[..., Any], plugin: str, step: str) -> Callable[..., Any]:
+    """A step wrapper (``@hookimpl(wrapper=True)``) as pluggy calls it: what it returns
+    is the step's result, so None (a forgotten ``return``) is an error naming it rather
+    than a None loss or output failing somewhere after; so is a result of a kind the step
+    does not allow."""
+    allowed = step_result_check(plugin, step, wraps=True)
+
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        result = yield from function(*args, **kwargs)
+        if result is None:
+            raise PluginError(
+                f"plugin {plugin!r} wraps the '{step}' step but returned None; a wrapper returns "
+                "the step's result: `result = yield`, then `return result` (or what replaces it)"
+            )
+        if allowed is not None:
+            allowed(result)
+        return result
+
+    checked._slipstream_checked = True  # type: ignore[attr-defined]
+    return checked
