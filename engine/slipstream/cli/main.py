@@ -68,7 +68,23 @@ def _parser() -> argparse.ArgumentParser:
         description="Train vision models with speed-up techniques as plugins.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    # The order here is the order `slipstream --help` lists the commands in.
+    _add_train(sub)
+    _add_listing(sub, "algorithms", "plugin")
+    _add_sweep(sub)
+    _add_listing(sub, "callbacks", "callback")
+    _add_listing(sub, "datasets", "dataset")
+    _add_data(sub)
+    _add_eval(sub)
+    _add_export(sub)
+    _add_recipes(sub)
+    _add_plot(sub)
+    _add_compare(sub)
+    _add_compatibility(sub)
+    return parser
 
+
+def _add_train(sub: Any) -> None:
     train = sub.add_parser(
         "train",
         help="train a model (the default recipe unless --recipe is given)",
@@ -121,8 +137,8 @@ def _parser() -> argparse.ArgumentParser:
         help="dotted overrides, e.g. trainer.max_duration=5ep",
     )
 
-    _add_listing(sub, "algorithms", "plugin")
 
+def _add_sweep(sub: Any) -> None:
     sweep = sub.add_parser(
         "sweep",
         help="hyper-parameter search over a recipe (optuna: seeded TPE, median pruning)",
@@ -151,9 +167,8 @@ def _parser() -> argparse.ArgumentParser:
         help="key=loguniform(a,b), key=uniform(a,b), key=int(a,b), key=choice(x,y,...), or a fixed key=value",
     )
 
-    _add_listing(sub, "callbacks", "callback")
-    _add_listing(sub, "datasets", "dataset")
 
+def _add_data(sub: Any) -> None:
     data = sub.add_parser("data", help="data tools: convert an ImageFolder tree to shards")
     data_sub = data.add_subparsers(dest="data_command", metavar="ACTION", parser_class=_Parser)
     convert = data_sub.add_parser(
@@ -168,6 +183,24 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--shard-size", default="256MB", help="bytes per shard: 256MB, 1GB, 500KB (default 256MB)")
     convert.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+
+def _add_checkpoint_options(command: argparse.ArgumentParser) -> None:
+    """What ``slipstream eval`` and ``slipstream export`` share: the checkpoint, the
+    recipe on top of its config, which weights, and key=value overrides."""
+    command.add_argument("--checkpoint", "-c", required=True, help="a checkpoint file or a run directory")
+    command.add_argument("--recipe", "-r", default=None, help="a recipe on top of the checkpoint's config")
+    command.add_argument(
+        "--weights",
+        default="model",
+        help="which weights: model (default) or one a plugin keeps in the checkpoint, e.g. ema",
+    )
+    command.add_argument("--ema", action="store_true", help="the EMA weights (same as --weights ema)")
+    command.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_size=500"
+    )
+
+
+def _add_eval(sub: Any) -> None:
     evaluate = sub.add_parser(
         "eval",
         help="evaluate a checkpoint; prints the metrics as JSON and writes them",
@@ -175,6 +208,12 @@ def _parser() -> argparse.ArgumentParser:
         "key=value overrides give (e.g. data.name=cifar10 data.root=...). Prints the metrics "
         "as JSON and writes them to -o (default: eval.json beside the checkpoint's run).",
     )
+    _add_checkpoint_options(evaluate)
+    evaluate.add_argument("--output", "-o", default=None, help="the metrics JSON file")
+    evaluate.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+
+
+def _add_export(sub: Any) -> None:
     export = sub.add_parser(
         "export",
         help="export a checkpoint's model for inference (checked against the eager model)",
@@ -183,28 +222,19 @@ def _parser() -> argparse.ArgumentParser:
         "plugin declares, and check the file's outputs against the eager model on a batch. "
         "The model takes normalised inputs; the mean and std are printed.",
     )
-    for command in (evaluate, export):
-        command.add_argument("--checkpoint", "-c", required=True, help="a checkpoint file or a run directory")
-        command.add_argument("--recipe", "-r", default=None, help="a recipe on top of the checkpoint's config")
-        command.add_argument(
-            "--weights",
-            default="model",
-            help="which weights: model (default) or one a plugin keeps in the checkpoint, e.g. ema",
-        )
-        command.add_argument("--ema", action="store_true", help="the EMA weights (same as --weights ema)")
-        command.add_argument(
-            "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_size=500"
-        )
-    evaluate.add_argument("--output", "-o", default=None, help="the metrics JSON file")
-    for command in (evaluate, export):
-        command.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    _add_checkpoint_options(export)
+    export.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     export.add_argument("--format", "-f", required=True, choices=("torchscript", "onnx", "exported-program"))
     export.add_argument("--output", "-o", required=True, help="the file to write")
     export.add_argument("--no-check", action="store_true", help="skip the comparison with the eager model")
 
+
+def _add_recipes(sub: Any) -> None:
     recipes = sub.add_parser("recipes", help="list bundled recipes")
     recipes.add_argument("--json", action="store_true", help="machine-readable output")
 
+
+def _add_plot(sub: Any) -> None:
     plot = sub.add_parser("plot", help="plot loss, accuracy, throughput, LR and image size of runs")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR")
     plot.add_argument(
@@ -214,6 +244,8 @@ def _parser() -> argparse.ArgumentParser:
         help="PNG path (default: RUN_DIR/plot.png for one run, runs.png otherwise)",
     )
 
+
+def _add_compare(sub: Any) -> None:
     compare = sub.add_parser(
         "compare", help="side-by-side table of runs (the first is the baseline)"
     )
@@ -227,6 +259,9 @@ def _parser() -> argparse.ArgumentParser:
         "(default: the first run's final accuracy)",
     )
     compare.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _add_compatibility(sub: Any) -> None:
     compat = sub.add_parser(
         "compatibility",
         help="train every installed algorithm alone, in pairs, with each optimizer and wrap; "
@@ -249,7 +284,6 @@ def _parser() -> argparse.ArgumentParser:
     compat.add_argument(
         "--no-distributed", action="store_true", help="leave out the 2-process DDP and fsdp runs"
     )
-    return parser
 
 
 def console() -> None:
@@ -332,9 +366,28 @@ def user_error_message(exc: BaseException) -> str | None:
     if isinstance(exc, OSError):
         return describe_os_error(exc)
     # data and results errors are ValueErrors with a clear message
-    if isinstance(exc, ValueError) and type(exc).__name__ in ("DataError", "ResultsError"):
+    if isinstance(exc, _data_or_results_errors()):
         return describe(exc)
     return None
+
+
+def _data_or_results_errors() -> tuple[type[BaseException], ...]:
+    """``DataError`` and ``ResultsError``, each once its module is imported.
+
+    An error of either type can only exist once its module is loaded; importing one
+    that is not (torch and torchvision behind ``DataError``, matplotlib behind
+    ``ResultsError``) would only delay the message by seconds.
+    """
+    types: list[type[BaseException]] = []
+    if "slipstream.data.datasets" in sys.modules:
+        from slipstream.data.datasets import DataError
+
+        types.append(DataError)
+    if "slipstream.run.results" in sys.modules:
+        from slipstream.run.results import ResultsError
+
+        types.append(ResultsError)
+    return tuple(types)
 
 
 def _rank() -> int:
