@@ -1,6 +1,8 @@
 """The plugin host: discovery, config validation, ordering, conflicts."""
 
 import dataclasses
+import importlib
+from pathlib import Path
 
 import pytest
 
@@ -170,3 +172,18 @@ def test_the_listing_reads_metadata_and_imports_no_plugin(site, tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.splitlines()[-1] == "[]"
+
+
+# The algorithms this repository ships, one folder each under algorithms/.
+SHIPPED = sorted(p.parent.name for p in (Path(__file__).parents[1] / "algorithms").glob("*/pyproject.toml"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_each_shipped_algorithm_is_found_and_loads_through_its_entry_point(name):
+    info = discover(load=False)[name]  # import this plugin only, not every installed one
+    info.load()
+    assert info.error is None
+    assert info.distribution == f"slipstream-{name}"
+    module = importlib.import_module(f"slipstream_{name}")
+    assert info.target == f"slipstream_{name}:{info.cls.__name__}"
+    assert info.cls is getattr(module, info.cls.__name__) and info.cls.name == name

@@ -18,7 +18,7 @@ from slipstream_channels_last import (
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import Algorithm, ConfigError, Trainer, hookimpl
-from slipstream.plugins.discovery import discover, plugin_config
+from slipstream.plugins.discovery import plugin_config
 
 CL = torch.channels_last
 # Always NHWC: these tests are about what the conversion does, not whether auto picks it.
@@ -190,11 +190,6 @@ def test_checkpoint_resumes_and_loads_into_a_plain_model(tmp_path):
     plain.eval(), trained.eval()
     with torch.no_grad():
         torch.testing.assert_close(plain(x), trained(x), rtol=1e-4, atol=1e-5)
-
-
-def test_discovered_through_entry_point():
-    info = discover()["channels_last"]
-    assert info.cls is ChannelsLast and info.distribution == "slipstream-channels_last"
 
 
 def test_apply_channels_last_is_in_place_and_keeps_outputs():

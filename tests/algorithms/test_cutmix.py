@@ -103,12 +103,6 @@ def test_mixup_and_cutmix_together_are_refused_naming_both():
         resolve_order([Cutmix(), Mixup()])
 
 
-def test_discovered_through_its_entry_point():
-    info = discover(load=False)["cutmix"]
-    info.load()
-    assert info.cls is Cutmix and info.distribution == "slipstream-cutmix"
-
-
 # -- in training -----------------------------------------------------------------------
 
 

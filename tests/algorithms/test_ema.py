@@ -8,7 +8,7 @@ from slipstream_ema import EMA, EMAConfig, ema_update, half_life_decay
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import Algorithm, ConfigError, Duration, State, Trainer, hookimpl
-from slipstream.plugins.discovery import discover, plugin_config
+from slipstream.plugins.discovery import plugin_config
 
 
 def params(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -21,10 +21,6 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def ema(**options) -> EMA:
     return EMA(plugin_config(EMA, options))
-
-
-def test_discovered_through_entry_point():
-    assert discover()["ema"].cls is EMA
 
 
 # -- the pure functions ---------------------------------------------------------------

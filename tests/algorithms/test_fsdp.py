@@ -29,7 +29,7 @@ from helpers import tiny_model
 from slipstream import CheckpointError, ConfigError, Trainer, load_checkpoint
 from slipstream.data import build_datasets, build_loader
 from slipstream.optim import build_optimizer
-from slipstream.plugins.discovery import discover, plugin_config
+from slipstream.plugins.discovery import plugin_config
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 HERE = Path(__file__).parent
@@ -281,9 +281,3 @@ def test_config_errors_name_the_key_and_what_is_allowed():
     with pytest.raises(ConfigError, match="min_params must be a whole number >= 1"):
         plugin_config(FSDP, {"min_params": 0})
     assert plugin_config(FSDP, {}) == FSDPConfig()
-
-
-def test_discovered_through_the_entry_point():
-    info = discover(load=False)["fsdp"]
-    info.load()
-    assert info.cls is FSDP and info.distribution == "slipstream-fsdp"

@@ -19,7 +19,7 @@ from slipstream_grad_accumulation import (
 
 from helpers import Probe, tiny_loaders, tiny_model
 from slipstream import Algorithm, ConfigError, Trainer, hookimpl
-from slipstream.plugins.discovery import discover, plugin_config
+from slipstream.plugins.discovery import plugin_config
 
 
 class RecordingBackward(Algorithm):
@@ -243,9 +243,3 @@ def test_config_errors_name_the_key_and_what_is_allowed():
     with pytest.raises(ConfigError, match=r"algorithms.grad_accumulation.steps: .*expected int"):
         plugin_config(GradAccumulation, {"steps": "four"})
     assert plugin_config(GradAccumulation, {}) == GradAccumulationConfig(steps=4)
-
-
-def test_discovered_through_the_entry_point():
-    info = discover(load=False)["grad_accumulation"]  # import this plugin only, not every installed one
-    info.load()
-    assert info.cls is GradAccumulation and info.distribution == "slipstream-grad_accumulation"

@@ -188,9 +188,3 @@ def test_clip_gradients_function():
     assert not torch.isfinite(clip_gradients([a], max_norm=1.0))
     with pytest.raises(ValueError, match="exactly one"):
         clip_gradients([a])
-
-
-def test_discovered_through_entry_point():
-    info = discover()["grad_clipping"]
-    assert info.cls is GradClipping
-    assert info.distribution == "slipstream-grad_clipping"

@@ -15,7 +15,7 @@ from slipstream_image_size_curriculum import (
 
 from helpers import Probe, tiny_model, train
 from slipstream import ConfigError
-from slipstream.plugins.discovery import discover, plugin_config
+from slipstream.plugins.discovery import plugin_config
 
 # tiny_loaders: 64 samples in batches of 16 = 4 batches per epoch.
 
@@ -256,9 +256,3 @@ def test_config_errors(options, message):
         plugin_config(ImageSizeCurriculum, options)
     assert "image_size_curriculum" in str(info.value)
     assert message in str(info.value)
-
-
-def test_discovered_through_the_entry_point():
-    info = discover()["image_size_curriculum"]
-    assert info.cls is ImageSizeCurriculum
-    assert info.distribution == "slipstream-image_size_curriculum"

@@ -182,7 +182,6 @@ def test_smoothing_out_of_range_is_a_config_error(value):
         plugin_config(LabelSmoothing, {"smoothing": value})
 
 
-def test_defaults_and_discovery():
+def test_defaults():
     assert LabelSmoothing().config == LabelSmoothingConfig(smoothing=0.1)
     assert plugin_config(LabelSmoothing, {}).smoothing == 0.1
-    assert discover()["label_smoothing"].cls is LabelSmoothing

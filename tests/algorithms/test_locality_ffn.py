@@ -9,7 +9,7 @@ from slipstream_locality_ffn import LocalityAct, LocalityFFN, add_locality
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import ConfigError, Trainer
-from slipstream.plugins.discovery import discover, plugin_config
+from slipstream.plugins.discovery import plugin_config
 
 
 def small_vit(**kwargs) -> torch.nn.Module:
@@ -167,10 +167,8 @@ def test_runs_with_an_image_size_curriculum(tmp_path):
     assert trainer.summary["accuracy"] is not None  # evaluated at full size
 
 
-def test_order_and_discovery():
+def test_order_and_options():
     assert {"ema", "torch_compile"} <= set(LocalityFFN.runs_before)
     assert plugin_config(LocalityFFN, {}) is None
     with pytest.raises(ConfigError, match="takes no options"):
         plugin_config(LocalityFFN, {"kernel_size": 5})
-    info = discover()["locality_ffn"]
-    assert info.cls is LocalityFFN and info.distribution == "slipstream-locality_ffn"

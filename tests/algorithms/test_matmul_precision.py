@@ -15,7 +15,7 @@ from slipstream_matmul_precision import (
 
 from helpers import Probe, train
 from slipstream import ConfigError
-from slipstream.plugins.discovery import discover, plugin_config
+from slipstream.plugins.discovery import plugin_config
 from slipstream.services.cpu_kind import NATIVE_BF16, detected_cpu_kind
 
 BEFORE = MatmulSettings(precision="highest", cudnn_tf32=False, cudnn_benchmark=False)
@@ -126,12 +126,6 @@ def test_medium_changes_cpu_matmul_numerics():
     set_matmul_precision("medium")
     err_medium = (a @ b - exact).abs().max().item()
     assert err_medium > err_highest
-
-
-def test_discovered_through_entry_point():
-    info = discover()["matmul_precision"]
-    assert info.cls is MatmulPrecision
-    assert info.distribution == "slipstream-matmul_precision"
 
 
 @pytest.mark.cuda

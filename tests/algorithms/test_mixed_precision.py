@@ -17,7 +17,7 @@ from slipstream_mixed_precision import (
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import ConfigError, Trainer
-from slipstream.plugins.discovery import discover, plugin_config
+from slipstream.plugins.discovery import plugin_config
 
 
 def small_model() -> torch.nn.Module:
@@ -136,12 +136,6 @@ def test_resolve_dtype_and_autocast_function(cpu_kind):
     with autocast("cpu", torch.bfloat16):
         assert lin(torch.randn(3, 4)).dtype == torch.bfloat16
     assert lin(torch.randn(3, 4)).dtype == torch.float32
-
-
-def test_discovered_through_entry_point():
-    info = discover()["mixed_precision"]
-    assert info.cls is MixedPrecision
-    assert info.distribution == "slipstream-mixed_precision"
 
 
 def test_bf16_state_saved_and_restored(tmp_path):

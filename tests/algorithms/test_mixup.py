@@ -86,12 +86,6 @@ def test_bad_config_names_the_key(options, message):
     assert str(info.value).startswith(message)
 
 
-def test_discovered_through_its_entry_point():
-    info = discover(load=False)["mixup"]
-    info.load()
-    assert info.cls is Mixup and info.distribution == "slipstream-mixup"
-
-
 # -- in training -----------------------------------------------------------------------
 
 

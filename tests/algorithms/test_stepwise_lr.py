@@ -12,7 +12,7 @@ from slipstream_stepwise_lr import SCHEDULES, StepwiseLR, StepwiseLRConfig, lr_a
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import ConfigError, Trainer
-from slipstream.plugins.discovery import discover, plugin_config
+from slipstream.plugins.discovery import plugin_config
 
 BASE = 0.05  # helpers.train's LR
 BATCHES_PER_EPOCH = 4  # helpers.tiny_loaders: 64 samples in batches of 16
@@ -290,9 +290,3 @@ def test_state_dict_round_trip():
 def test_config_errors_name_the_key_and_what_is_allowed(options, message):
     with pytest.raises(ConfigError, match=f"algorithms.stepwise_lr: {message}"):
         plugin_config(StepwiseLR, options)
-
-
-def test_discovered_through_the_entry_point():
-    info = discover(load=False)["stepwise_lr"]  # import this plugin only, not every installed one
-    info.load()
-    assert info.cls is StepwiseLR and info.distribution == "slipstream-stepwise_lr"

@@ -208,11 +208,6 @@ def test_config_errors(tmp_path):
         fit(tmp_path, [typo], max_duration="1ba")
 
 
-def test_discovered_through_entry_point():
-    info = discover()["torch_compile"]
-    assert info.cls is TorchCompile and info.distribution == "slipstream-torch_compile"
-
-
 def test_functional_api():
     model = small_cnn()
     compiled = compile_model(model, mode="default", backend="eager")
