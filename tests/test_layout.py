@@ -18,15 +18,16 @@ PLUGIN_FOLDERS = ("algorithms", "callbacks", "datasets", "examples")
 PUBLIC = {"slipstream", "slipstream.data"}
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ENGINE.parent).with_suffix("").parts)
+def module_name(path: Path, top: Path = ENGINE) -> str:
+    parts = list(path.relative_to(top.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported(path: Path) -> set[str]:
+def imported(path: Path, top: Path = ENGINE, names: bool = False) -> set[str]:
     """Every module ``path`` imports, absolute, at any depth of the file (lazy imports
-    inside functions count: they run too)."""
-    package = module_name(path).split(".") if path.is_relative_to(ENGINE) else []
+    inside functions count: they run too). With ``names``, ``from a import b`` gives
+    ``a.b`` too (``b`` may be a module)."""
+    package = module_name(path, top).split(".") if path.is_relative_to(top) else []
     if path.name != "__init__.py":
         package = package[:-1]
     found: set[str] = set()
@@ -36,10 +37,66 @@ def imported(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - node.level + 1]
-                found.add(".".join([*base, node.module] if node.module else base))
+                module = ".".join([*base, node.module] if node.module else base)
             else:
-                found.add(node.module or "")
+                module = node.module or ""
+            found.add(module)
+            if names:
+                found.update(f"{module}.{alias.name}" for alias in node.names)
     return found
+
+
+def import_cycles(top: Path = ENGINE) -> list[list[str]]:
+    """The import cycles among the modules under ``top`` (each a sorted list of the
+    modules that import one another, directly or not). An import anywhere in a module
+    counts; a package's ``__init__`` is left out as a target, since importing a name
+    from a package (its lazy map of exports) runs only that module."""
+    modules = {module_name(p, top): p for p in sorted(top.rglob("*.py"))}
+    packages = {m for m, p in modules.items() if p.name == "__init__.py"}
+    graph = {
+        m: sorted(t for t in imported(p, top, names=True) if t in modules and t not in packages and t != m)
+        for m, p in modules.items()
+        if m not in packages
+    }
+    # Tarjan's strongly connected components, iteratively (no recursion limit).
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            for target in targets:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(graph[target])))
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        cycles.append(sorted(component))
+    return cycles
 
 
 def engine_files(sub: str = "") -> list[Path]:
@@ -96,3 +153,25 @@ def test_the_rules_see_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "slipstream_bad.py"
     bad.write_text("from slipstream.services.flops import meta_copy\nimport slipstream.trainer\n")
     assert imported(bad) - PUBLIC == {"slipstream.services.flops", "slipstream.trainer"}
+
+
+def test_no_import_cycles_among_the_engine_modules() -> None:
+    """Each module's imports, those inside functions included, lead away from it: a
+    cycle means two modules that cannot be read, changed or tested apart."""
+    cycles = import_cycles()
+    assert not cycles, "import cycles: " + " | ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_cycle(tmp_path: Path) -> None:
+    """A cycle through an import inside a function is found; a package's __init__
+    that re-exports its modules makes none."""
+    top = tmp_path / "slipstream"
+    (top / "data").mkdir(parents=True)
+    (top / "__init__.py").write_text("from slipstream import plain\n")
+    (top / "plain.py").write_text("import slipstream\n")
+    (top / "data" / "__init__.py").write_text("from .a import A\n")
+    (top / "data" / "a.py").write_text("from slipstream.data import b\nA = 1\n")
+    (top / "data" / "b.py").write_text("def f():\n    from .a import A\n    return A\n")
+    assert import_cycles(top) == [["slipstream.data.a", "slipstream.data.b"]]
+    (top / "data" / "b.py").write_text("def f():\n    return 1\n")
+    assert import_cycles(top) == []

@@ -23,6 +23,14 @@ class CheckpointError(SlipstreamError):
     """A checkpoint could not be read or does not fit the run."""
 
 
+class DataError(SlipstreamError, ValueError):
+    """A dataset cannot be built as configured (unknown name, missing files, bad layout)."""
+
+
+class ResultsError(SlipstreamError, ValueError):
+    """A run directory is missing, not a run directory, or holds unreadable files."""
+
+
 class ConfigWarning(UserWarning):
     """A setting that would have no effect (the CLI prints these as warnings)."""
 

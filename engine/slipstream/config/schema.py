@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from slipstream.config.options import INT64, KEYWORD_MAPPINGS, TrainerOptions, config_dataclass
 from slipstream.config.recipes import find_recipe
+from slipstream.data.sources import DataConfig
 from slipstream.duration import Duration
 from slipstream.errors import ConfigError, ConfigWarning, did_you_mean
 
@@ -33,27 +34,6 @@ class ModelConfig:
     cifar_stem: bool = False  # 3x3 stride-1 stem, no max-pool: ResNets at 32 px
     pretrained: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the model's constructor
-
-
-@dataclass
-class DataConfig:
-    # An installed dataset plugin (`slipstream datasets`): synthetic | cifar10 | cifar100 |
-    # imagefolder | webdataset | huggingface | a third party's. Keys a plugin declares
-    # besides these (data.urls, data.path ...) are checked against its config_class.
-    name: str = "synthetic"
-    root: Optional[str] = None
-    download: bool = False
-    image_size: int = 32
-    num_classes: int = 10  # synthetic only; real datasets say their own
-    train_size: int = 5000  # synthetic
-    val_size: int = 1000  # synthetic
-    batch_size: int = 128  # per process
-    eval_batch_size: Optional[int] = None  # None: 2 x batch_size
-    num_workers: int = 0
-    pin_memory: bool = True  # page-locked batches for non_blocking copies; CUDA only (runner)
-    persistent_workers: bool = False
-    drop_last: bool = True
-    normalize: bool = True  # normalise on the device with the dataset's mean/std
 
 
 @dataclass

@@ -10,26 +10,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import datasets
 from torchvision.transforms import v2
 
-try:  # deprecated since torchvision 0.29 (TorchCodec takes over); PIL when it is gone
-    from torchvision.io import ImageReadMode, decode_image
-except ImportError:  # pragma: no cover - depends on the torchvision release
-    decode_image = None
-
+from slipstream.data.decode import as_uint8, read_rgb  # noqa: F401 (re-exported)
 from slipstream.data.stats import DATASET_NAMES, DATASET_STATS, Stats  # noqa: F401 (re-exported)
 from slipstream.data.synthetic import SyntheticShapes
 from slipstream.data.unreadable import SkippingImageFolder
-from slipstream.errors import describe, network_failure
-
-
-class DataError(ValueError):
-    """A dataset cannot be built as configured (unknown name, missing files, bad layout)."""
+from slipstream.errors import DataError, describe, network_failure  # noqa: F401 (DataError re-exported)
 
 
 class ImageArray(Dataset):
@@ -60,32 +50,6 @@ def _from_torchvision_cifar(ds: datasets.CIFAR10, image_size: int) -> ImageArray
     # torchvision's CIFAR goes through a PIL image per item; its arrays are all we need.
     images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
     return ImageArray(images, ds.targets, ds.classes, image_size)
-
-
-def read_rgb(path: str) -> torch.Tensor:
-    """Decode an image file to a uint8 ``3 x H x W`` tensor (grey and RGBA become RGB).
-
-    torchvision.io decodes PNG about 1.5x and JPEG about 1.3x as fast as PIL here
-    (benchmarks/bench_imagefolder.py); PIL is the fallback for what it cannot read.
-    """
-    if decode_image is not None:
-        try:
-            return as_uint8(decode_image(path, mode=ImageReadMode.RGB))
-        except RuntimeError:
-            pass  # a format torchvision.io lacks (BMP, TIFF, ...): try PIL
-    try:
-        with Image.open(path) as image:
-            return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
-    except OSError as err:
-        raise DataError(f"imagefolder: cannot decode {path}: {err}") from None
-
-
-def as_uint8(image: torch.Tensor) -> torch.Tensor:
-    """A decoded image as 0-255 ``uint8``, as every source gives it: torchvision.io keeps
-    a 16-bit PNG's ``uint16`` (a batch that mixed it with 8-bit images failed to stack)."""
-    if image.dtype == torch.uint8:
-        return image
-    return v2.functional.to_dtype(image, torch.uint8, scale=True)
 
 
 def _cifar(

@@ -18,114 +18,52 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
+from slipstream.data.stats import BUILTIN_SUMMARIES, Stats  # noqa: F401 (re-exported)
 from slipstream.errors import ConfigError, did_you_mean
-from slipstream.plugins.base import Plugin
-
-DATASETS_GROUP = "slipstream.datasets"
-
-Stats = tuple[tuple[float, float, float], tuple[float, float, float]]
-
-# `slipstream datasets` without importing them (the engine's distribution summary
-# describes the engine, not each source). Kept in step with the classes' docstrings.
-BUILTIN_SUMMARIES = {
-    "synthetic": "Procedurally generated shapes: learnable, deterministic, any resolution, no download.",
-    "cifar10": "CIFAR-10 through torchvision (data.root; data.download fetches it).",
-    "cifar100": "CIFAR-100 through torchvision (data.root; data.download fetches it).",
-    "imagefolder": "An ImageFolder tree (data.root/train/<class>/, data.root/val/<class>/); "
-    "unreadable images skipped and named.",
-}
-
-# The engine's own data.* keys, read for every source; anything else in the data
-# section belongs to the chosen dataset plugin (its config_class).
-COMMON_KEYS: tuple[str, ...] = (
-    "name",
-    "image_size",
-    "batch_size",
-    "eval_batch_size",
-    "num_workers",
-    "pin_memory",
-    "persistent_workers",
-    "drop_last",
-    "normalize",
-)
+from slipstream.plugins.dataset import DATASETS_GROUP, BuiltData, DataRequest, DatasetPlugin  # noqa: F401
 
 
 @dataclass
-class DataRequest:
-    """What every dataset plugin is asked for: the engine's common ``data.*`` keys,
-    plus the run's seed and this process's place (rank of world_size)."""
-
+class DataConfig:
+    # An installed dataset plugin (`slipstream datasets`): synthetic | cifar10 | cifar100 |
+    # imagefolder | webdataset | huggingface | a third party's. Keys a plugin declares
+    # besides these (data.urls, data.path ...) are checked against its config_class.
+    name: str = "synthetic"
+    root: Optional[str] = None
+    download: bool = False
     image_size: int = 32
+    num_classes: int = 10  # synthetic only; real datasets say their own
+    train_size: int = 5000  # synthetic
+    val_size: int = 1000  # synthetic
     batch_size: int = 128  # per process
-    eval_batch_size: int = 256  # per process
+    eval_batch_size: Optional[int] = None  # None: 2 x batch_size
     num_workers: int = 0
-    pin_memory: bool = False
+    pin_memory: bool = True  # page-locked batches for non_blocking copies; CUDA only (runner)
     persistent_workers: bool = False
-    drop_last: bool = True  # of the training data; evaluation keeps every sample
-    seed: int = 0
-    rank: int = 0
-    world_size: int = 1
+    drop_last: bool = True
+    normalize: bool = True  # normalise on the device with the dataset's mean/std
 
 
-@dataclass
-class BuiltData:
-    """A dataset plugin's result. ``train``/``eval`` are iterables of
-    ``(uint8 images, int64 targets)`` batches; a ``train.sampler`` with
-    ``set_epoch(epoch, start_batch)`` and ``batches_per_epoch`` makes the order a
-    function of (seed, epoch) and mid-epoch resume exact."""
-
-    train: Any
-    eval: Any
-    num_classes: int
-    stats: Optional[Stats] = None  # per-channel (mean, std) in [0, 1] units; None: not normalised
+# DataConfig's keys that only some dataset plugins read: those whose config_class
+# declares the key, and for data.persistent_workers those that do not stream. They
+# stay in DataConfig so that older recipes and command lines keep working.
+READ_BY_SOME: tuple[str, ...] = ("num_classes", "train_size", "val_size", "root", "download", "persistent_workers")
 
 
-class DatasetPlugin(Plugin):
-    """Base class of a data source (``data.name``).
+def reads(cls: type[DatasetPlugin], key: str) -> bool:
+    """Whether the dataset plugin ``cls`` reads ``data.<key>``, one of :data:`READ_BY_SOME`."""
+    if key == "persistent_workers":
+        return not cls.streams
+    return key in dataset_keys(cls)
 
-    Subclasses set ``name``, optionally ``config_class`` (a dataclass of the keys it
-    reads from the ``data`` section; ``__post_init__`` may raise ``ValueError``) and
-    ``stats``, and implement either :meth:`build` or :meth:`datasets` (map-style
-    datasets; the engine then builds its deterministic, rank-aware loaders).
-    """
 
-    kind: ClassVar[str] = "dataset"
-    stats: ClassVar[Optional[Stats]] = None
-    # Its data.* keys that say where the data is (a folder, shard patterns): a resume,
-    # autoresume included, may find the same data elsewhere (a requeued job that staged
-    # it on another node's disk), so these are not compared with the checkpoint's.
-    locations: ClassVar[tuple[str, ...]] = ()
-
-    def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:
-        """``(train, val, num_classes)`` as map-style datasets of ``(uint8 C x H x W, int)``;
-        ``val`` may be None (no evaluation data)."""
-        raise NotImplementedError(f"dataset {self.name!r} implements neither build() nor datasets()")
-
-    def build(self, request: DataRequest) -> BuiltData:
-        """The train and eval data of rank ``request.rank`` of ``request.world_size``."""
-        from slipstream.data.loaders import build_loader
-
-        train, val, num_classes = self.datasets(request)
-        common = dict(
-            seed=request.seed,
-            rank=request.rank,
-            world_size=request.world_size,
-            num_workers=request.num_workers,
-            pin_memory=request.pin_memory,
-            persistent_workers=request.persistent_workers,
-        )
-        return BuiltData(
-            train=build_loader(
-                train, batch_size=request.batch_size, shuffle=True, drop_last=request.drop_last, **common
-            ),
-            eval=None
-            if val is None
-            else build_loader(val, batch_size=request.eval_batch_size, shuffle=False, drop_last=False, **common),
-            num_classes=num_classes,
-            stats=self.stats,
-        )
+def readers(key: str) -> list[str]:
+    """The installed dataset plugins that read ``data.<key>`` (imports them all)."""
+    return [
+        name for name, info in discover_datasets(load=True).items() if info.cls is not None and reads(info.cls, key)
+    ]
 
 
 def discover_datasets(load: bool = False) -> dict[str, Any]:
@@ -172,8 +110,7 @@ def dataset_keys(cls: type[DatasetPlugin]) -> list[str]:
 def dataset_config(cls: type[DatasetPlugin], options: dict[str, Any]) -> Any:
     """Validate a plugin's ``data.*`` options against its config_class: an unknown
     key, a wrong type or an out-of-range value names ``data.<key>`` and the dataset."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from slipstream.plugins.discovery import plugin_config
 
     keys = dataset_keys(cls)
     for key in options:
@@ -183,17 +120,7 @@ def dataset_config(cls: type[DatasetPlugin], options: dict[str, Any]) -> Any:
                 f"data.{key} is not read by data.name={cls.name}"
                 f"{did_you_mean(key, keys)}; its own keys: {allowed}"
             )
-    if cls.config_class is None:
-        return None
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(cls.config_class), options)
-        return OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
-        message = str(exc).strip().splitlines()[0]
-        raise ConfigError(f"data.{key} (dataset {cls.name}): {message}") from None
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"data (dataset {cls.name}): {exc}") from None
+    return plugin_config(cls, options, prefix="data", about=f" (dataset {cls.name})")
 
 
 def build_dataset_plugin(data: dict[str, Any], installed: dict[str, Any] | None = None) -> DatasetPlugin:
@@ -202,8 +129,6 @@ def build_dataset_plugin(data: dict[str, Any], installed: dict[str, Any] | None 
     Keys of the engine's DataConfig that this plugin does not read (e.g. ``root`` for
     synthetic) are left out: they have defaults, and a changed one is warned about.
     """
-    from slipstream.config.schema import DataConfig
-
     cls = dataset_class(str(data.get("name")), installed)
     engine_keys = {f.name for f in dataclasses.fields(DataConfig)}
     own = set(dataset_keys(cls))

@@ -1,9 +1,19 @@
-"""The built-in data sources' names and per-channel statistics: plain data, so that
+"""The built-in data sources' names, summaries and per-channel statistics: plain data, so that
 checking a config (which reads them) imports neither torch nor torchvision."""
 
 from __future__ import annotations
 
 DATASET_NAMES: tuple[str, ...] = ("synthetic", "cifar10", "cifar100", "imagefolder")
+
+# `slipstream datasets` without importing them (the engine's distribution summary
+# describes the engine, not each source). Kept in step with the classes' docstrings.
+BUILTIN_SUMMARIES = {
+    "synthetic": "Procedurally generated shapes: learnable, deterministic, any resolution, no download.",
+    "cifar10": "CIFAR-10 through torchvision (data.root; data.download fetches it).",
+    "cifar100": "CIFAR-100 through torchvision (data.root; data.download fetches it).",
+    "imagefolder": "An ImageFolder tree (data.root/train/<class>/, data.root/val/<class>/); "
+    "unreadable images skipped and named.",
+}
 
 Stats = tuple[tuple[float, float, float], tuple[float, float, float]]
 

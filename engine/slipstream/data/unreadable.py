@@ -13,6 +13,9 @@ from typing import Any
 
 from torchvision import datasets
 
+from slipstream.data.decode import SkipLog
+from slipstream.errors import DataError
+
 
 class SkippingImageFolder(datasets.ImageFolder):
     """``replace=False`` (an evaluation's split): an unreadable image is left out of its
@@ -21,8 +24,6 @@ class SkippingImageFolder(datasets.ImageFolder):
     no batch.)"""
 
     def __init__(self, *args: Any, replace: bool = True, **kwargs: Any) -> None:
-        from slipstream.data.decode import SkipLog  # it imports the module that builds this class
-
         super().__init__(*args, **kwargs)
         self.replace = replace
         # per process: DataLoader workers keep their own
@@ -42,8 +43,6 @@ class SkippingImageFolder(datasets.ImageFolder):
         unreadable ones where ``replace`` is off."""
         if self.replace:
             return [self[i] for i in indices]
-        from slipstream.data.datasets import DataError
-
         items = []
         for i in indices:
             try:
@@ -53,8 +52,6 @@ class SkippingImageFolder(datasets.ImageFolder):
         return items or [self[i] for i in indices]
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
-        from slipstream.data.datasets import DataError  # that module builds this class: import late
-
         target = self.targets[index]
         start, stop = self._spans[target]
         size = stop - start

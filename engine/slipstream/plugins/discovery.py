@@ -16,12 +16,13 @@ import pluggy
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from slipstream.data.sources import BUILTIN_SUMMARIES, DATASETS_GROUP, DatasetPlugin
+from slipstream.data.stats import BUILTIN_SUMMARIES
 from slipstream.errors import ConfigError, PluginError, did_you_mean
 from slipstream.hookspecs import STEPS
 from slipstream.plugins.algorithm import Algorithm
 from slipstream.plugins.base import Plugin
 from slipstream.plugins.callback import Callback
+from slipstream.plugins.dataset import DATASETS_GROUP, DatasetPlugin
 
 ALGORITHMS_GROUP = "slipstream.algorithms"
 CALLBACKS_GROUP = "slipstream.callbacks"
@@ -181,24 +182,25 @@ def algorithm_class(
     return info.cls
 
 
-def plugin_config(cls: type[Plugin], options: dict[str, Any] | None) -> Any:
+def plugin_config(cls: type[Plugin], options: dict[str, Any] | None, prefix: str | None = None, about: str = "") -> Any:
     """Validate ``options`` against ``cls.config_class`` and return the dataclass.
 
     An unknown key, a wrong type or an out-of-range value is a ConfigError that
-    names the plugin (``algorithms.<name>`` or ``callbacks.<name>``), the key and
-    what is allowed.
+    names the plugin (``algorithms.<name>`` or ``callbacks.<name>``; ``prefix`` and
+    ``about`` where its keys are elsewhere: ``data`` and `` (dataset NAME)``), the
+    key and what is allowed.
     """
     options = dict(options or {})
-    name = f"{cls.kind}s.{cls.name}"
+    name = prefix or f"{cls.kind}s.{cls.name}"
     if cls.config_class is None:
         if options:
-            raise ConfigError(f"{name} takes no options, got {sorted(options)}")
+            raise ConfigError(f"{name}{about} takes no options, got {sorted(options)}")
         return None
     fields = {f.name: f for f in dataclasses.fields(cls.config_class)}
     for key in options:
         if key not in fields:
             raise ConfigError(
-                f"{name}: unknown key {key!r}{did_you_mean(key, fields)}; "
+                f"{name}{about}: unknown key {key!r}{did_you_mean(key, fields)}; "
                 f"allowed keys: {', '.join(fields)}"
             )
     structured = OmegaConf.structured(cls.config_class)
@@ -210,7 +212,7 @@ def plugin_config(cls: type[Plugin], options: dict[str, Any] | None) -> Any:
                 OmegaConf.merge(structured, {key: value})
             except TypeError:
                 field_type = _type_name(fields[key].type)
-                raise ConfigError(f"{name}.{key}: expected {field_type}, got {value!r}") from None
+                raise ConfigError(f"{name}.{key}{about}: expected {field_type}, got {value!r}") from None
             except OmegaConfBaseException:
                 pass  # reported with its key below
     try:
@@ -220,11 +222,11 @@ def plugin_config(cls: type[Plugin], options: dict[str, Any] | None) -> Any:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
         field_type = getattr(fields.get(str(key)), "type", None)
         allowed = f"; expected {_type_name(field_type)}" if field_type is not None else ""
-        raise ConfigError(f"{name}.{key}: {_first_line(exc)}{allowed}") from None
+        raise ConfigError(f"{name}.{key}{about}: {_first_line(exc)}{allowed}") from None
     except ConfigError:  # already names the plugin and key (parse_duration_option)
         raise
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{name}: {exc}") from None
+        raise ConfigError(f"{name}{about}: {exc}") from None
 
 
 def instantiate(

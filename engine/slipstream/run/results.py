@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from slipstream.data.sources import data_locations
+from slipstream.errors import ResultsError
 from slipstream.run import directory as rundir
 
 __all__ = [
@@ -34,10 +35,6 @@ __all__ = [
 # The run-directory contract owns the names; these aliases keep older imports working.
 METRICS_FILE = rundir.METRICS
 SUMMARY_FILE = rundir.SUMMARY
-
-
-class ResultsError(ValueError):
-    """A run directory is missing, not a run directory, or holds unreadable files."""
 
 
 @dataclass
