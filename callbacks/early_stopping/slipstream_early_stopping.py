@@ -44,6 +44,8 @@ class EarlyStopping(Callback):
 
     name = "early_stopping"
     config_class = EarlyStoppingConfig
+    needs_evaluation = True
+    monitor_option = "monitor"
 
     def __init__(self, config: EarlyStoppingConfig | None = None) -> None:
         super().__init__(config)

@@ -332,6 +332,7 @@ class WebDatasetShards(DatasetPlugin):
     name = "webdataset"
     config_class = WebDatasetConfig
     locations = ("urls", "eval_urls")
+    streams = True  # its loader starts its workers each epoch (its split of the epoch is per epoch)
     stats = DATASET_STATS["imagefolder"]  # ImageNet's: what a tree of photos usually has
 
     def build(self, request: DataRequest) -> BuiltData:

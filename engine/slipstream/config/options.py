@@ -486,23 +486,11 @@ def check_output_dir(path: Path, key: str) -> None:
 
 
 def dataset_stats(data: Any) -> tuple[Sequence[float], Sequence[float]] | None:
-    """Mean/std for ``normalize='auto'``: known for Slipstream's synthetic data,
-    torchvision's CIFAR-10/100 and ImageFolder datasets; None otherwise."""
-    from torchvision import datasets
+    """Mean/std for ``normalize='auto'``: known for the datasets the built-in sources
+    build (:func:`slipstream.data.datasets.stats_of`); None otherwise."""
+    from slipstream.data.datasets import stats_of
 
-    from slipstream.data import DATASET_STATS, SyntheticShapes
-
-    dataset = getattr(data, "dataset", data)
-    # CIFAR100 subclasses CIFAR10, so it is checked first.
-    for cls, name in (
-        (SyntheticShapes, "synthetic"),
-        (datasets.CIFAR100, "cifar100"),
-        (datasets.CIFAR10, "cifar10"),
-        (datasets.DatasetFolder, "imagefolder"),
-    ):
-        if isinstance(dataset, cls):
-            return DATASET_STATS[name]
-    return None
+    return stats_of(getattr(data, "dataset", data))
 
 
 def normalized_by_its_transform(data: Any) -> bool:

@@ -20,9 +20,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from slipstream.config.options import INT64, KEYWORD_MAPPINGS, TrainerOptions, config_dataclass
 from slipstream.config.recipes import find_recipe
-from slipstream.data.sources import DataConfig
+from slipstream.data.sources import READ_BY_SOME, DataConfig, dataset_class, readers, reads
 from slipstream.duration import Duration
-from slipstream.errors import ConfigError, ConfigWarning, did_you_mean
+from slipstream.errors import ConfigError, ConfigWarning, SlipstreamError, did_you_mean
 
 
 @dataclass
@@ -405,7 +405,7 @@ def _base_for(base: dict[str, Any], data_name: str | None) -> dict[str, Any]:
     data = base.get("data") or {}
     if data_name is None or data_name == data.get("name"):
         return base
-    own = {key.split(".", 1)[1] for key, _, choice in _READ_ONLY_BY if choice == "data.name"}
+    own = set(READ_BY_SOME)
     general = {f.name for f in dataclasses.fields(SECTIONS["data"])} - own
     return {**base, "data": {k: v for k, v in data.items() if k in general}}
 
@@ -586,15 +586,9 @@ def _leaves(value: Any, key: str) -> Any:
         yield key, value
 
 
-# Keys that only some choices read: (key, who reads it, the choice's key).
+# Keys that only some choices read: (key, who reads it, the choice's key). The data
+# keys that only some dataset plugins read are the plugins' to say (_ignored_data_keys).
 _READ_ONLY_BY = (
-    ("data.num_classes", ("synthetic",), "data.name"),
-    ("data.train_size", ("synthetic",), "data.name"),
-    ("data.val_size", ("synthetic",), "data.name"),
-    ("data.root", ("cifar10", "cifar100", "imagefolder"), "data.name"),
-    ("data.download", ("cifar10", "cifar100"), "data.name"),
-    # A stream's loader starts its workers each epoch (its split of the epoch is per epoch).
-    ("data.persistent_workers", ("synthetic", "cifar10", "cifar100", "imagefolder", "huggingface"), "data.name"),
     ("optimizer.momentum", ("sgd",), "optimizer.name"),
     ("optimizer.nesterov", ("sgd",), "optimizer.name"),
     ("optimizer.betas", ("adamw",), "optimizer.name"),
@@ -619,12 +613,14 @@ def warn_no_ops(cfg: DictConfig) -> None:
     def changed(key: str) -> bool:
         return OmegaConf.select(cfg, key) != OmegaConf.select(defaults, key)
 
-    ignored = [
+    ignored = _ignored_data_keys(cfg, changed) + [
         f"{key} is ignored with {choice}={OmegaConf.select(cfg, choice)} "
         f"(only {' and '.join(readers)} read it)"
         for key, readers, choice in _READ_ONLY_BY
         if changed(key) and OmegaConf.select(cfg, choice) not in readers
     ]
+    callbacks = _enabled_callbacks(cfg)
+    evaluated = [name for name, cls in callbacks.items() if cls.needs_evaluation]
     t, d = cfg.trainer, cfg.data
     if t.checkpoint_interval is None and changed("trainer.checkpoint_keep"):
         ignored.append("trainer.checkpoint_keep is ignored: trainer.checkpoint_interval=null")
@@ -639,22 +635,21 @@ def warn_no_ops(cfg: DictConfig) -> None:
             ignored.append("trainer.best_metric is ignored: trainer.eval_interval=null (no best.pt)")
         if t.target_accuracy is not None:
             ignored.append("trainer.target_accuracy is never reached: trainer.eval_interval=null")
-        if "early_stopping" in (cfg.get("callbacks") or {}):
-            ignored.append("callbacks.early_stopping never stops the run: trainer.eval_interval=null")
-    elif "early_stopping" in (cfg.get("callbacks") or {}) and _only_at_the_end(t.eval_interval, t.max_duration):
-        ignored.append(
-            f"callbacks.early_stopping never stops the run: trainer.eval_interval={t.eval_interval} evaluates "
+        ignored += [f"callbacks.{name} never stops the run: trainer.eval_interval=null" for name in evaluated]
+    elif evaluated and _only_at_the_end(t.eval_interval, t.max_duration):
+        ignored += [
+            f"callbacks.{name} never stops the run: trainer.eval_interval={t.eval_interval} evaluates "
             f"only at its end (max_duration={t.max_duration}), and the final evaluation never stops a run"
-        )
+            for name in evaluated
+        ]
     classes = known_num_classes(cfg)
     if classes is not None and classes < 5:
         if t.best_metric == "accuracy_top5":
             ignored.append(f"trainer.best_metric=accuracy_top5 is ignored: the runs have {classes} classes (< 5)")
-        stopping = (cfg.get("callbacks") or {}).get("early_stopping") or {}
-        if stopping.get("monitor") == "accuracy_top5":
-            ignored.append(
-                f"callbacks.early_stopping.monitor=accuracy_top5 never stops the run: {classes} classes (< 5)"
-            )
+        for name, cls in callbacks.items():
+            option = cls.monitor_option
+            if option is not None and (cfg.callbacks[name] or {}).get(option) == "accuracy_top5":
+                ignored.append(f"callbacks.{name}.{option}=accuracy_top5 never stops the run: {classes} classes (< 5)")
     for message in ignored:
         warnings.warn(message, ConfigWarning, stacklevel=3)
 
@@ -664,9 +659,48 @@ def known_num_classes(cfg: DictConfig) -> int | None:
     before the data is read)."""
     if cfg.model.num_classes is not None:
         return int(cfg.model.num_classes)
-    known = {"synthetic": cfg.data.get("num_classes"), "cifar10": 10, "cifar100": 100}
-    value = known.get(cfg.data.name)
+    try:
+        value = dataset_class(str(cfg.data.name)).known_num_classes(cfg.data)
+    except ConfigError:
+        return None  # not installed: validate() says so
     return int(value) if value is not None else None
+
+
+def _ignored_data_keys(cfg: DictConfig, changed: Any) -> list[str]:
+    """Each ``data.*`` key that only some dataset plugins read, changed from its default
+    where the chosen plugin does not read it (``data.root`` for synthetic)."""
+    keys = [key for key in READ_BY_SOME if changed(f"data.{key}")]
+    if not keys:
+        return []
+    try:
+        chosen = dataset_class(str(cfg.data.name))
+    except ConfigError:
+        return []
+    messages = []
+    for key in keys:
+        if not reads(chosen, key):
+            names = readers(key)
+            who = f"only {' and '.join(names)} read it" if names else "no installed dataset reads it"
+            messages.append(f"data.{key} is ignored with data.name={cfg.data.name} ({who})")
+    return messages
+
+
+def _enabled_callbacks(cfg: DictConfig) -> dict[str, Any]:
+    """The classes of the callbacks ``cfg`` enables, by name (those that fail to load
+    are left out: building the run names them)."""
+    names = list(cfg.get("callbacks") or {})
+    if not names:
+        return {}
+    from slipstream.plugins.discovery import CALLBACKS_GROUP, algorithm_class, discover
+
+    installed = discover(load=False, group=CALLBACKS_GROUP)
+    found = {}
+    for name in names:
+        try:
+            found[name] = algorithm_class(name, installed, CALLBACKS_GROUP)
+        except SlipstreamError:
+            continue
+    return found
 
 
 def _plain(value: Any) -> Any:

@@ -3,6 +3,7 @@ distribution in the ``slipstream.datasets`` entry-point group)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -44,6 +45,10 @@ class Synthetic(DatasetPlugin):
     config_class = SyntheticConfig
     stats = DATASET_STATS["synthetic"]
 
+    @classmethod
+    def known_num_classes(cls, data: Mapping[str, Any]) -> Optional[int]:
+        return data.get("num_classes", SyntheticConfig.num_classes)
+
     def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:
         c = self.config
         return build_datasets(
@@ -62,6 +67,7 @@ class Cifar10(DatasetPlugin):
     name = "cifar10"
     config_class = CifarConfig
     locations = ("root",)
+    num_classes = 10
     stats = DATASET_STATS["cifar10"]
 
     def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:
@@ -73,6 +79,7 @@ class Cifar100(Cifar10):
     """CIFAR-100 through torchvision (data.root; data.download fetches it)."""
 
     name = "cifar100"
+    num_classes = 100
     stats = DATASET_STATS["cifar100"]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -149,3 +150,18 @@ def build_datasets(
     if name == "imagefolder":
         return _imagefolder(root, image_size)
     raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
+
+
+def stats_of(dataset: Any) -> Stats | None:
+    """The per-channel (mean, std) of a dataset a built-in source builds (synthetic
+    shapes, torchvision's CIFAR-10/100 or an ImageFolder tree); None for another."""
+    # CIFAR100 subclasses CIFAR10, so it is checked first.
+    for cls, name in (
+        (SyntheticShapes, "synthetic"),
+        (datasets.CIFAR100, "cifar100"),
+        (datasets.CIFAR10, "cifar10"),
+        (datasets.DatasetFolder, "imagefolder"),
+    ):
+        if isinstance(dataset, cls):
+            return DATASET_STATS[name]
+    return None

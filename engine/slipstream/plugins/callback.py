@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 from slipstream.plugins.base import Plugin
 
@@ -28,3 +28,9 @@ class Callback(Plugin):
     """
 
     kind: ClassVar[str] = "callback"
+    # A callback that acts on evaluations (early stopping): a run without any is told
+    # that it never acts.
+    needs_evaluation: ClassVar[bool] = False
+    # Its option that names the metric it watches (early stopping's ``monitor``): a
+    # metric the run cannot have (accuracy_top5 with fewer than 5 classes) is warned about.
+    monitor_option: ClassVar[Optional[str]] = None
