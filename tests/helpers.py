@@ -18,6 +18,18 @@ from slipstream.hookspecs import EVENTS
 # CPU has no bf16 units"), a library's. A test of an error's one line counts the rest.
 WARNING_PREFIX = "slipstream: warning: "
 
+# A tiny `slipstream train`: timm's smallest ResNet on 32 training and 16 evaluation
+# synthetic images of 16 pixels, in batches of 16, on one thread. Tests add what they are
+# about (a duration, a run directory, --quiet) after it.
+TINY_RUN = [
+    "model.name=test_resnet",
+    "data.train_size=32",
+    "data.val_size=16",
+    "data.image_size=16",
+    "data.batch_size=16",
+    "trainer.threads=1",
+]
+
 
 def error_lines(err: str) -> list[str]:
     """``err``'s non-empty lines less the engine's warnings: what a one-line error test counts."""

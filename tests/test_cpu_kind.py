@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import error_lines
+from helpers import TINY_RUN, error_lines
 from slipstream import ConfigError, cpu_kind, native_bf16
 from slipstream.cli.main import main
 from slipstream.services.cpu_kind import ENV, KINDS, describe_cpu_kind, detected_cpu_kind
@@ -28,9 +28,7 @@ def test_a_bad_override_is_one_line_naming_the_kinds(monkeypatch, tmp_path, caps
     with pytest.raises(ConfigError, match=f"{ENV}='avx1024' is not a CPU kind; {allowed}"):
         cpu_kind()
     run_dir = tmp_path / "run"
-    code = main(["train", "-q", "model.name=test_resnet", "data.train_size=32", "data.val_size=16",
-                 "data.image_size=16", "data.batch_size=16", "trainer.max_duration=1ba", "trainer.threads=1",
-                 f"trainer.run_dir={run_dir}"])
+    code = main(["train", "-q", *TINY_RUN, "trainer.max_duration=1ba", f"trainer.run_dir={run_dir}"])
     err = error_lines(capsys.readouterr().err)
     assert code == 2 and len(err) == 1 and "is not a CPU kind" in err[0], err
     assert not (run_dir / "checkpoints").exists()

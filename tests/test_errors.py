@@ -16,23 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import colour_image_folder, error_lines, fake_distribution, train
+from helpers import TINY_RUN, colour_image_folder, error_lines, fake_distribution, train
 from slipstream import CheckpointError, ConfigError
 from slipstream.cli.main import main
 from slipstream.config.options import TrainerOptions, check_output_dir
 from slipstream.config.schema import build_config
 from slipstream.errors import ConfigWarning, describe_os_error
 
-TINY = [
-    "model.name=test_resnet",
-    "data.train_size=32",
-    "data.val_size=16",
-    "data.image_size=16",
-    "data.batch_size=16",
-    "trainer.threads=1",
-    "trainer.max_duration=1ba",
-    "--quiet",
-]
+TINY = [*TINY_RUN, "trainer.max_duration=1ba", "--quiet"]
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:

@@ -9,12 +9,11 @@ import warnings
 import pytest
 import torch
 
-from helpers import error_lines, tiny_model
+from helpers import TINY_RUN, error_lines, tiny_model
 from slipstream import CheckpointError, load_checkpoint
 from slipstream.cli.main import main
 
-TINY = ["model.name=test_resnet", "data.train_size=32", "data.val_size=16", "data.image_size=16",
-        "data.batch_size=16", "trainer.threads=1", "trainer.max_duration=2ba"]
+TINY = [*TINY_RUN, "trainer.max_duration=2ba"]
 
 
 @pytest.fixture(scope="module")

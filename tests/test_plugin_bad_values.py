@@ -15,22 +15,13 @@ import typing
 
 import pytest
 
-from helpers import error_lines
+from helpers import TINY_RUN, error_lines
 from slipstream import check_value, plugin_option
 from slipstream.cli.main import main
 from slipstream.plugins.checks import check_plugin_options, option_rule
 from slipstream.plugins.discovery import ALGORITHMS_GROUP, CALLBACKS_GROUP, GROUPS, discover
 
-TINY = [
-    "model.name=test_resnet",
-    "data.train_size=32",
-    "data.val_size=16",
-    "data.image_size=16",
-    "data.batch_size=16",
-    "trainer.threads=1",
-    "trainer.max_duration=1ba",
-    "trainer.checkpoint_interval=null",
-]
+TINY = [*TINY_RUN, "trainer.max_duration=1ba", "trainer.checkpoint_interval=null"]
 
 
 def _yaml(value: float) -> str:

@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import error_lines
+from helpers import TINY_RUN, error_lines
 from slipstream.cli.main import main
 from slipstream.config.schema import build_config
 from slipstream.errors import ConfigWarning
 
-TINY = [
-    "model.name=test_resnet",
-    "data.train_size=32",
-    "data.val_size=16",
-    "data.image_size=16",
-    "data.batch_size=16",
-    "trainer.threads=1",
-    "trainer.max_duration=1ba",
-]
+TINY = [*TINY_RUN, "trainer.max_duration=1ba"]
 LR = "optimizer.lr=uniform(0.1,0.2)"
 
 

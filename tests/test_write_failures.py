@@ -17,21 +17,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import error_lines
+from helpers import TINY_RUN, error_lines
 from slipstream import load_checkpoint
 from slipstream.cli.main import main
 from slipstream.run.checkpoint import save_shards
 from slipstream.run.directory import atomic_write, write_failure
 
-TINY = [
-    "model.name=test_resnet",
-    "data.train_size=32",
-    "data.val_size=16",
-    "data.image_size=16",
-    "data.batch_size=16",
-    "trainer.threads=1",
-    "--quiet",
-]
+TINY = [*TINY_RUN, "--quiet"]
 
 
 def assert_failed_in_one_line(code: int, err: str, *fragments: str) -> None:
