@@ -11,7 +11,7 @@ from slipstream_channels_last import ChannelsLast, ChannelsLastConfig
 from slipstream_gpu_augmentation import GpuAugmentation
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import Probe, tiny_loaders, tiny_model
+from helpers import Probe, tiny_model
 from slipstream import Trainer, to_unit_float
 from slipstream.data import DATASET_STATS, SyntheticShapes, build_datasets, build_loader
 from slipstream.services import Normalize
@@ -223,9 +223,3 @@ def test_synthetic_items_are_views_not_copies():
     ds = SyntheticShapes(4, image_size=16)
     image, _ = ds[1]
     assert image.dtype == torch.uint8 and image.data_ptr() == ds.images[1].data_ptr()
-
-
-def test_float_tiny_loaders_still_yield_float():
-    # The test helpers' loaders are the "user loader" of the other tests.
-    x, _ = next(iter(tiny_loaders()[0]))
-    assert x.dtype == torch.float32

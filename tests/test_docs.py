@@ -38,8 +38,18 @@ def _commands() -> list[tuple[Path, list[str]]]:
     return found
 
 
-def test_the_pages_exist() -> None:
-    assert len(PAGES) >= 8, [p.name for p in PAGES]
+def _linked_from(index: Path) -> set[Path]:
+    return {(index.parent / t).resolve() for t in LINK.findall(index.read_text()) if not re.match(r"[a-z]+:", t)}
+
+
+@pytest.mark.parametrize("index, pages", [("README.md", "docs/*.md"), ("docs/results/README.md", "docs/results/*.md")])
+def test_every_page_is_linked_from_its_index(index: str, pages: str) -> None:
+    linked = _linked_from(ROOT / index) | {(ROOT / index).resolve()}
+    unlinked = [p.relative_to(ROOT).as_posix() for p in sorted(ROOT.glob(pages)) if p.resolve() not in linked]
+    assert not unlinked, f"{index} links to none of {unlinked}"
+
+
+def test_the_readme_is_at_most_250_lines() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
 
 

@@ -1,5 +1,6 @@
 """The per-batch losses the metrics log and the divergence check read as one vector."""
 
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -58,9 +59,17 @@ def test_every_read_is_inspected_with_its_steps_and_the_mean_covers_all_reads(mo
 
 
 def test_the_kept_losses_hold_no_graph():
+    # A loss kept with its graph would keep the batch's activations alive until the next read.
     keeper, state = TrainLosses(), Batches()
-    state.step(keeper, 1.0)
-    assert all(not kept.requires_grad for kept in keeper._kept)
+    activation = torch.ones(1000, requires_grad=True) * 2  # saved for backward by the product below
+    state.loss = (activation * activation).mean()
+    keeper.after_loss(state)
+    alive = weakref.ref(activation)
+    del activation
+    state.loss = None  # the step is over: only the keeper still holds the loss
+    assert alive() is None
+    state.timestamp.batch = 1
+    assert keeper.read(state) == [4.0]
 
 
 def test_host_values_reads_scalar_losses_and_falls_back_for_other_shapes():

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from slipstream.run.results import (
     ResultsError,
@@ -171,12 +173,19 @@ def test_non_object_line_is_rejected(tmp_path: Path) -> None:
 
 
 def test_plot_runs_writes_a_png(tmp_path: Path) -> None:
-    runs = [load_run(make_run(tmp_path, "a")), load_run(make_run(tmp_path, "b"))]
+    b = make_run(tmp_path, "b", accuracies=(0.3, 0.4, 0.9), samples_per_s=300.0)  # a line of its own
+    runs = [load_run(make_run(tmp_path, "a")), load_run(b)]
     out = plot_runs(runs, tmp_path / "plots" / "results.png")
     assert out == tmp_path / "plots" / "results.png"
-    data = out.read_bytes()
-    assert data.startswith(PNG_MAGIC)
-    assert len(data) > 10_000
+    assert out.read_bytes().startswith(PNG_MAGIC)
+    with Image.open(out) as image:
+        assert image.size == (1500, 900)  # 15 x 9 inches at 100 dpi
+        pixels = np.asarray(image.convert("RGB"), dtype=np.int16)
+    # Not blank: each run's lines are drawn in its colour (C0 blue, C1 orange), beyond
+    # the legend's ~60 pixels.
+    for colour in ((31, 119, 180), (255, 127, 14)):
+        near = (np.abs(pixels - np.array(colour)).max(axis=-1) <= 24).sum()
+        assert near > 500, (colour, near)
 
 
 def test_figure_has_six_panels_one_line_per_run_and_a_legend(tmp_path: Path) -> None:

@@ -35,9 +35,12 @@ def test_scalars_match_metrics_jsonl_and_hparams_are_written(tmp_path):
     assert final.Scalars("final/accuracy")[0].value == pytest.approx(trainer.summary["accuracy"])
 
 
-def test_nothing_without_the_callback(tmp_path):
+def test_nothing_without_the_callback(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # torch's SummaryWriter writes to ./runs unless told a folder
     trainer = train(tmp_path, max_duration="1ba")
-    assert not (trainer.run_dir / "tensorboard").exists()
+    assert trainer.paths.metrics.read_text()  # the run logged its metrics, to metrics.jsonl only
+    assert not list(tmp_path.rglob("events.out.tfevents.*"))
+    assert not (trainer.run_dir / "tensorboard").exists() and not (tmp_path / "runs").exists()
 
 
 def test_log_dir_and_hparams_values(tmp_path):
