@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from slipstream.cli.runner import build_trainer
+from slipstream.run.build import build_trainer
 from slipstream.config.schema import build_config
 from slipstream.duration import Duration
 from slipstream.plugins.variants import cache_path

@@ -37,7 +37,7 @@ from torchvision.transforms import v2
 
 from common import StepClock, compare, parser, random_loader, report
 from slipstream import Algorithm, hookimpl
-from slipstream.cli.runner import build_trainer
+from slipstream.run.build import build_trainer
 from slipstream.config.schema import build_config
 
 

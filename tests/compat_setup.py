@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from slipstream.plugins.compatibility import Observed, command_line, load_classes, load_file_plugin
+from slipstream.cli.compatibility import Observed, command_line, load_classes, load_file_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "compatibility.md"
@@ -19,7 +19,7 @@ ADD = ["examples/step_timer/slipstream_step_timer.py:StepTimer"]
 SETTINGS = {
     "grad_accumulation": {"steps": 2},  # a group ends at the mid-run checkpoint (batch 5, the 2nd of epoch 1)
     "grad_clipping": {"max_norm": 0.5},  # it has no default
-    # Grows within 4 batches; starts at 48 px on the CNN (see slipstream.plugins.compatibility.CNN_IMAGE_SIZE).
+    # Grows within 4 batches; starts at 48 px on the CNN (see slipstream.cli.compatibility.CNN_IMAGE_SIZE).
     "image_size_curriculum": {"delay": 0.25, "finetune": 0.25, "initial_scale": 0.75},
     "mixed_precision": {"dtype": "bf16"},  # auto depends on the CPU; the effect shown is autocast's
     "torch_compile": {"backend": "aot_eager"},  # dynamo and AOT autograd without inductor's C++ builds

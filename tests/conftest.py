@@ -66,18 +66,18 @@ def _variants_fixed_unless_marked_autotune():
     for channels_last, and for mixed_precision bf16 where the CPU kind has bf16 units,
     fp32 elsewhere. Session-wide, so that runs made by module fixtures are fixed too.
     (A CLI run in a subprocess passes `trainer.autotune=false` itself.)"""
-    from slipstream import trainer
+    from slipstream.plugins import variants
 
-    choose = trainer.choose_variants
+    choose = variants.choose_variants
 
     def fixed(*args, **kwargs):
         if not _measuring["allowed"]:
             kwargs["measure_on"] = False
         return choose(*args, **kwargs)
 
-    trainer.choose_variants = fixed
+    variants.choose_variants = fixed
     yield
-    trainer.choose_variants = choose
+    variants.choose_variants = choose
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import torch
 
 from helpers import error_lines, train
 from slipstream import Algorithm, PluginError, hookimpl
-from slipstream.plugins.compatibility import RESUME_AT, Combo, check_combo
+from slipstream.cli.compatibility import RESUME_AT, Combo, check_combo
 
 PLUGINS = textwrap.dedent(
     """

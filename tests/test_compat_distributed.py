@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from compat_setup import ADD, DOC, FIVE, ROOT, SETTINGS, classes
-from slipstream.plugins.compatibility import Combo, cells_of, distributed_combos, from_cells, run_distributed
+from slipstream.cli.compatibility import Combo, cells_of, distributed_combos, from_cells, run_distributed
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 

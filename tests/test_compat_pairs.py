@@ -5,7 +5,7 @@ that names both. See test_compat_singles.py."""
 import pytest
 
 from compat_setup import DOC, FIVE, PROBES, SETTINGS, classes
-from slipstream.plugins.compatibility import WRAP_PLUGIN, cells_of, pair_cell, run_local
+from slipstream.cli.compatibility import WRAP_PLUGIN, cells_of, pair_cell, run_local
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_the_table_records_these_cells(matrix):
 def test_a_pair_with_a_plugin_that_fails_alone_is_a_failure_not_n_a():
     """n/a means a plugin declared it does not suit a model; a plugin that broke on its
     own makes its pairs untried, which the grid must not pass off as n/a."""
-    from slipstream.plugins.compatibility import MODELS, Cell, Combo, Matrix, pair_cell
+    from slipstream.cli.compatibility import MODELS, Cell, Combo, Matrix, pair_cell
 
     matrix = Matrix(names=["broken", "fine", "cnn_only"], five=())
     for kind in MODELS:

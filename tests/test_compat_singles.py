@@ -7,7 +7,7 @@ import pytest
 
 from compat_setup import COMMAND, DOC, FIVE, PROBES, SETTINGS, classes
 from helpers import error_lines
-from slipstream.plugins.compatibility import (
+from slipstream.cli.compatibility import (
     MODELS,
     OPTIMIZERS,
     WRAP_PLUGIN,

@@ -286,7 +286,7 @@ def test_a_plain_dataloader_under_several_processes_is_named(tmp_path, monkeypat
     plain = tiny_loaders()[0]  # a DataLoader with torch's SequentialSampler
 
     def build(data, world_size):
-        monkeypatch.setattr("slipstream.trainer.init_distributed", lambda device: (0, world_size))
+        monkeypatch.setattr("slipstream.run.process.init_distributed", lambda device: (0, world_size))
         return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, run_dir=tmp_path / "run",
                        progress_bar=False, verbose=False)
 

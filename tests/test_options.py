@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import ConfigError, Trainer, to_unit_float
-from slipstream.cli.runner import build_trainer
+from slipstream.run.build import build_trainer
 from slipstream.config.options import TrainerOptions
 from slipstream.config.schema import build_config
 from slipstream.data import DATASET_STATS, SyntheticShapes
@@ -148,7 +148,7 @@ def test_deterministic_warns_on_cuda_and_refuses_on_cpu(monkeypatch):
     # first step, so CUDA runs warn; the CPU keeps the strict mode.
     import os
 
-    from slipstream.config.options import apply_process_settings
+    from slipstream.run.process import apply_process_settings
 
     calls = []
 
@@ -224,3 +224,24 @@ def test_the_cli_applies_process_settings_once(tmp_path, monkeypatch):
     after_build = torch.rand(3)
     torch.manual_seed(7)
     assert torch.equal(after_build, torch.rand(3))
+
+
+def test_one_train_validates_the_trainer_settings_once_and_reads_its_checkpoint_once(tmp_path, monkeypatch):
+    """Issue 40: `slipstream train` validated TrainerOptions three times (the config, the
+    command's builder, the Trainer) and an autoresumed run read latest.pt twice (the
+    config check, then the restore)."""
+    from slipstream.cli.main import main
+    from slipstream.run import checkpoint
+
+    validated, read = [], []
+    validate, load = TrainerOptions.validate, checkpoint.load_checkpoint
+    monkeypatch.setattr(TrainerOptions, "validate", lambda self, prefix="": validated.append(prefix) or validate(self, prefix))
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path, *a, **k: read.append(Path(path).name) or load(path, *a, **k))
+    run = ["train", "-q", "model.name=test_resnet", "data.train_size=32", "data.val_size=16", "data.image_size=16",
+           "data.batch_size=8", "trainer.checkpoint_interval=2ba", "trainer.autoresume=true", "trainer.eval_interval=null",
+           "trainer.autotune=false", f"trainer.run_dir={tmp_path / 'run'}"]  # fmt: skip
+    assert main([*run, "trainer.max_duration=2ba"]) == 0
+    assert validated == ["trainer."] and read == []
+    validated.clear()
+    assert main([*run, "trainer.max_duration=4ba"]) == 0  # continues from latest.pt
+    assert validated == ["trainer."] and read == ["latest.pt"]

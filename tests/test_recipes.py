@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from slipstream.cli.runner import build_trainer
+from slipstream.run.build import build_trainer
 from slipstream.config.recipes import bundled
 from slipstream.config.schema import build_config
 

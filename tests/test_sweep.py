@@ -135,7 +135,7 @@ def test_the_cli_refuses_bad_syntax_with_exit_2_and_writes_nothing(tmp_path, cap
 
 def test_the_engine_imports_optuna_only_for_a_sweep():
     code = (
-        "import sys, slipstream, slipstream.cli.main, slipstream.cli.runner; slipstream.Trainer; "
+        "import sys, slipstream, slipstream.cli.main, slipstream.run.build; slipstream.Trainer; "
         "print('optuna' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

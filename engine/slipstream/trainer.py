@@ -1,89 +1,56 @@
 """`Trainer`: a plain training loop that fires hooks.
 
 Everything a technique changes happens in a plugin; the loop only moves batches,
-calls the step hooks and advances time. The rest of a run lives beside it: what a
-checkpoint holds and how a run resumes in :mod:`slipstream.run.checkpoint`, the summary
-in :mod:`slipstream.services.summary`, the run directory's policy in
-:mod:`slipstream.run.directory`, signals in :mod:`slipstream.interrupts`, and every
-"every N" in :mod:`slipstream.interval`.
+calls the step hooks and advances time. A run is put together once, in this order
+(docs/architecture.md): the options validated, the process set up
+(:mod:`slipstream.run.process`), the plugins built and ordered
+(:mod:`slipstream.plugins.registry`), where the run starts from and its directory
+(:mod:`slipstream.run.checkpoint`, :mod:`slipstream.run.directory`), then the state,
+the engine's services and the plugin manager (:mod:`slipstream.run.assembly`). ``fit``
+then chooses the variants, calls ``init``, resumes and runs the loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import json
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
 
 from slipstream import hookspecs
-from slipstream.config.options import (
-    TrainerOptions,
-    apply_process_settings,
-    parse_peak_tflops,
-    resolve_normalize,
-    seed_everything,
-)
+from slipstream.config.options import TrainerOptions, parse_peak_tflops, resolve_normalize
 from slipstream.data.loaders import stop_workers
-from slipstream.distributed import init_distributed, resolve_device
+from slipstream.distributed import shared_clock
 from slipstream.duration import Duration
-from slipstream.errors import CheckpointError, ConfigError, ConfigWarning, PluginError
+from slipstream.errors import ConfigError
 from slipstream.interrupts import interrupted_reason, stop_on_signals
-from slipstream.optim import check_optimizer_holds
 from slipstream.plugins.algorithm import Algorithm
 from slipstream.plugins.callback import Callback
-from slipstream.plugins.discovery import (
-    ALGORITHMS_GROUP,
-    CALLBACKS_GROUP,
-    GROUPS,
-    PluginInfo,
-    algorithm_record,
-    check_callbacks,
-    check_callbacks_observe,
-    check_hook_names,
-    config_as_dict,
-    discover,
-    distribution_of,
-    instantiate,
-    resolve_order,
-    unmarked_hooks,
-)
-from slipstream.plugins.dispatch import bind, bind_event, blame, plugin_manager, step_result_check
-from slipstream.plugins.variants import choose_variants, print_choice
-from slipstream.run.checkpoint import (
-    checkpoint_payload,
-    config_differences,
-    keep_saved_optimizer_settings,
-    load_checkpoint,
-    load_weights,
-    restore_checkpoint,
-    resumed_with_changes,
+from slipstream.plugins.discovery import PluginInfo, config_as_dict
+from slipstream.plugins.dispatch import bind, bind_event, blame
+from slipstream.plugins.registry import Registry
+from slipstream.plugins.variants import choose_run_variants
+from slipstream.run.assembly import assemble, check_hooks
+from slipstream.run.checkpoint import checkpoint_payload, find_start, resume, written_in
+from slipstream.run.checks import (
+    batches_per_epoch,
+    check_arguments,
+    check_run,
+    check_scheduler_interval,
+    checked_schedulers,
+    why_no_batches,
 )
 from slipstream.run.directory import RunDir, choose_run_dir, prepare_run_dir
-from slipstream.services import (
-    Checkpointer,
-    DefaultSteps,
-    Evaluator,
-    MetricsLogger,
-    Normalize,
-    ProgressBar,
-    SummaryWriter,
-    TargetAccuracy,
-    Utilization,
-)
+from slipstream.run.process import Process, seed_everything, set_up_process
 from slipstream.services.batches import batch_mover, check_pair
-from slipstream.services.divergence import DivergenceMonitor
-from slipstream.services.evaluation import EVALUATION_OFF
-from slipstream.services.losses import TrainLosses
 from slipstream.services.summary import resume_summary
 from slipstream.state import State, unwrap_model
 
@@ -144,96 +111,41 @@ class Trainer:
         schedulers: Sequence[Any] = (),
         scheduler_interval: str = "epoch",
         config: dict[str, Any] | None = None,
-        installed: dict[str, PluginInfo] | None = None,
+        installed: dict[str, PluginInfo] | Registry | None = None,
         options: TrainerOptions | None = None,
+        process: Process | None = None,
         **settings: Any,
     ) -> None:
-        _check_arguments(model, optimizer, train_data, eval_data, loss_fn)
-        schedulers = _checked_schedulers(schedulers, optimizer)
-        # The run-level settings are TrainerOptions' fields, given as keywords or (the
-        # CLI) as options it has already validated and applied; max_duration=None
-        # keeps the default.
-        if max_duration is not None:
-            settings["max_duration"] = max_duration
-        if run_dir is not None:
-            settings["run_dir"] = run_dir
-        if options is None:
-            options = TrainerOptions.from_keywords(settings)
-        elif settings:
-            raise ConfigError(
-                f"Trainer: give the settings as options= or as keywords, not both "
-                f"(got options= and {', '.join(settings)})"
-            )
-        self.options = o = options.validate()
-        peak = parse_peak_tflops(o.peak_tflops)
-        self.device = o.device if isinstance(o.device, torch.device) else resolve_device(o.device)
-        apply_process_settings(o, self.device)
+        check_arguments(model, optimizer, train_data, eval_data, loss_fn)
+        schedulers = checked_schedulers(schedulers, optimizer)
+        check_scheduler_interval(scheduler_interval)
+        self.options = o = _options(options, settings, max_duration=max_duration, run_dir=run_dir)
+        # The command line hands over the process it set up before building data and
+        # model; a Trainer made in Python sets it up here.
+        process = process or set_up_process(o)
+        self.device, rank, world_size = process.device, process.rank, process.world_size
         # Training starts from the seed, however much randomness building the model
         # and data drew: a Python run and a CLI run of one seed train alike.
         seed_everything(o.seed)
-        rank, world_size = init_distributed(self.device)
         self.max_duration = Duration.parse(o.max_duration)
-        self.installed = installed
-        chosen = self._as_plugins(algorithms, ALGORITHMS_GROUP)
-        self.algorithms = resolve_order(chosen, installed=self._known_names(chosen))
-        self.callbacks: list[Callback] = self._as_plugins(callbacks, CALLBACKS_GROUP)
-        check_callbacks(self.callbacks, self.algorithms)
-        self._distributions = {
-            a.name: distribution_of(a, self.installed) for a in self.algorithms
-        } | {c.name: distribution_of(c, self._installed_callbacks) for c in self.callbacks}
+        self.registry = installed if isinstance(installed, Registry) else Registry(installed)
+        self.algorithms, self.callbacks = self.registry.run_plugins(algorithms, callbacks)
         self.verbose = o.verbose and rank == 0
         normalize, note = resolve_normalize(o.normalize, train_data)
         if note and self.verbose:
             print(f"slipstream: {note}", file=sys.stderr)
         self.config = config or self._describe_run(model, optimizer)
-        self.load_path = Path(o.load_path) if o.load_path else None
-        self.weights_only = o.load_weights_only
-        overwrite = o.overwrite
-        if o.autoresume:
-            overwrite = self._autoresume(Path(o.run_dir)) or overwrite
-        if self.load_path is not None and not self.load_path.exists():
-            # Checked before anything is built or written, so the retry starts clean.
-            raise CheckpointError(f"trainer.load_path: checkpoint {self.load_path} does not exist")
-        self.overwrite = overwrite
+        self.start = find_start(o, self.config, self.device, verbose=self.verbose)
+        self.load_path, self.weights_only = self.start.path, self.start.weights_only
+        self.overwrite = o.overwrite or self.start.clear
         self.paths = choose_run_dir(
-            o.run_dir, overwrite=overwrite, load_path=self._resume_path, weights_from=self.load_path
+            o.run_dir, overwrite=self.overwrite, load_path=self.start.continues, weights_from=self.load_path
         )
         self.run_dir = self.paths.root
         self.summary: dict[str, Any] = {}
-        self._share_clock: Callable[[State], None] | None = None  # set in fit() (_shared_clock)
-
-        # (The CLI's config says its own, before any Trainer is made.)
-        if (eval_data is None or (o.eval_interval is None and config is None)) and rank == 0:
-            why = "no eval_data" if eval_data is None else "eval_interval=None"
-            evaluated = [f"target_accuracy={o.target_accuracy} is never reached"] if o.target_accuracy else []
-            if any(c.name == "early_stopping" for c in self.callbacks):
-                evaluated.append("the early_stopping callback never stops the run")
-            for what in evaluated:
-                warnings.warn(f"slipstream: {what}: {why}, so no evaluation", ConfigWarning, stacklevel=2)
-        unoptimized = check_optimizer_holds(model, optimizer)
-        if unoptimized and rank == 0:
-            warnings.warn(unoptimized, stacklevel=2)
-        if isinstance(train_data, Iterator) and self.max_duration.unit == "ep" and self.max_duration.value > 1:
-            raise ConfigError(
-                f"train_data is a one-pass iterator ({type(train_data).__name__}): it has no second "
-                f"epoch, and max_duration={self.max_duration} needs {self.max_duration.value:g}; pass a "
-                "DataLoader (or anything iter() can start again), or give max_duration in batches"
-            )
-        if world_size > 1 and rank == 0 and isinstance(getattr(train_data, "sampler", None), WHOLE_DATASET_SAMPLERS):
-            warnings.warn(
-                f"slipstream: train_data's sampler is a {type(train_data.sampler).__name__}, so each of "
-                f"the {world_size} processes trains on the whole dataset every epoch (the same samples "
-                f"{world_size} times over); give it torch's DistributedSampler or "
-                "slipstream.data.EpochSampler(rank=, world_size=), or build it with slipstream.data.build_loader",
-                stacklevel=2,
-            )
-        if eval_data is not None and o.eval_interval is not None and _batches_per_epoch(eval_data) == 0:
-            raise ConfigError(f"the evaluation data is empty (no batches); give it samples, or {EVALUATION_OFF}")
-        if scheduler_interval not in SCHEDULER_INTERVALS:
-            raise ConfigError(
-                f"Trainer: scheduler_interval must be one of {', '.join(SCHEDULER_INTERVALS)}, "
-                f"got {scheduler_interval!r}"
-            )
+        check_run(o, train_data, eval_data, model=model, optimizer=optimizer, max_duration=self.max_duration,
+                  callbacks=self.callbacks, from_config=config is not None, world_size=world_size,
+                  warn=rank == 0)  # fmt: skip
         # Stepped by the loop, not a plugin: the optimizer's LR must have moved before
         # any epoch_end or batch_end hook (a checkpoint) sees the schedulers' state.
         self._epoch_schedulers = list(schedulers) if scheduler_interval == "epoch" else []
@@ -255,66 +167,28 @@ class Trainer:
             algorithms=list(self.algorithms),
             callbacks=list(self.callbacks),
         )
-        self.state.batches_per_epoch = _batches_per_epoch(train_data)
-        single = _single_sample_last_batch(train_data)
-        if single and rank == 0:
-            warnings.warn(
-                f"slipstream: the training data's last batch of each epoch holds 1 sample ({single}); "
-                "a model with batch norm cannot train on it: drop it (data.drop_last=true, or "
-                "drop_last=True in the DataLoader) or choose another batch size",
-                ConfigWarning,
-                stacklevel=2,
-            )
-        if self.state.batches_per_epoch is None:
-            _check_unknown_epoch_length(self.max_duration, o, warn=rank == 0)
+        self.state.batches_per_epoch = batches_per_epoch(train_data)
         batch_size = getattr(train_data, "batch_size", None)
         self.state.global_batch_size = batch_size * world_size if batch_size else None
-
-        self.utilization = Utilization(peak, verbose=self.verbose)
-        self.target = (
-            TargetAccuracy(o.target_accuracy, o.stop_at_target)
-            if o.target_accuracy is not None
-            else None
+        self.pm, self.services = assemble(
+            o,
+            run_dir=self.run_dir,
+            write=rank == 0,
+            algorithms=self.algorithms,
+            callbacks=self.callbacks,
+            algorithm_records=lambda: self.registry.records(self.algorithms),
+            callback_records=lambda: self.registry.records(self.callbacks),
+            checkpoint_payload=self._checkpoint_payload,
+            normalize=normalize,
+            peak=parse_peak_tflops(o.peak_tflops),
+            verbose=self.verbose,
         )
-        self.pm = plugin_manager(hookspecs.PROJECT, hookspecs)
-        self._register(normalize)
+        s = self.services
+        self.summary_writer, self.metrics_log, self.checkpointer = s.summary, s.metrics_log, s.checkpointer
+        self.utilization, self.target, self.normalize = s.utilization, s.target, s.normalize
         self._hooks = SimpleNamespace()
         self._to_device = batch_mover(self.device)
-
-    # -- set-up ------------------------------------------------------------------
-
-    @property
-    def _resume_path(self) -> Path | None:
-        """The checkpoint this run continues (its run directory's files are kept), or
-        None for a fresh run, a fine-tuning one included."""
-        return None if self.weights_only else self.load_path
-
-    def _autoresume(self, run_dir: Path) -> bool:
-        """Continue the run in ``run_dir`` from its latest.pt (in place of load_path),
-        refused when its config differs in what changes training. Without one the run
-        starts (from load_path when given); returns True when leftovers of an attempt
-        that saved no checkpoint are to be cleared."""
-        paths = RunDir(run_dir)
-        if not paths.latest.is_file():
-            ended = paths.ended_as()
-            if ended:  # clearing it would lose its results for a run of the same steps again
-                raise ConfigError(
-                    f"trainer.autoresume: the run in {run_dir} ended ({ended}) and kept no checkpoint "
-                    "to continue from; nothing is changed. Choose another trainer.run_dir"
-                )
-            if self.verbose:
-                print(f"slipstream: autoresume: no checkpoint in {run_dir}, starting", file=sys.stderr)
-            return bool(paths.holds_run())
-        saved = load_checkpoint(paths.latest).get("config")
-        differ = config_differences(saved, self.config)
-        if differ:
-            raise ConfigError(
-                f"trainer.autoresume: the run in {run_dir} was started with another config; "
-                f"these keys differ: {', '.join(differ)}. Restore them, or choose another "
-                "trainer.run_dir"
-            )
-        self.load_path, self.weights_only = paths.latest, False
-        return False
+        self._share_clock: Callable[[State], None] | None = None  # set in fit() (shared_clock)
 
     def _describe_run(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """config.yaml for a run set up in Python: what the CLI's config would say,
@@ -328,171 +202,11 @@ class Trainer:
             "callbacks": {c.name: config_as_dict(c) for c in self.callbacks},
         }
 
-    _installed_callbacks: dict[str, PluginInfo] | None = None
-
-    def _installed_of(self, group: str) -> dict[str, PluginInfo]:
-        """The installed plugins of ``group``, discovered (not imported) once."""
-        if group == ALGORITHMS_GROUP:
-            if self.installed is None:
-                self.installed = discover(load=False)
-            return self.installed
-        if self._installed_callbacks is None:
-            self._installed_callbacks = discover(load=False, group=group)
-        return self._installed_callbacks
-
-    def _as_plugins(self, items: Sequence[Any], group: str) -> list[Any]:
-        """Instances as given; names built with their default config."""
-        base, noun = GROUPS[group]
-        if items is None:
-            return []
-        if isinstance(items, str):  # "ema" or "ema,mixup", as on the command line
-            items = [name.strip() for name in items.split(",") if name.strip()]
-        built = []
-        for item in items:
-            if isinstance(item, base):
-                built.append(item)
-            elif isinstance(item, str):
-                built.extend(instantiate({item: None}, self._installed_of(group), group))
-            elif isinstance(item, type) and issubclass(item, base):
-                raise PluginError(f"{item.__name__} is a class; pass an instance: {item.__name__}()")
-            else:
-                article = "an" if base.__name__[0] in "AEIOU" else "a"
-                raise PluginError(
-                    f"{item!r} is not {article} {base.__name__} instance or an installed {noun}'s name"
-                )
-        return built
-
-    def _plugin_files(self) -> set[str]:
-        """What plugins write under the run directory: this run's, and with
-        ``overwrite`` every installed callback's (a logger of the previous run whose
-        folder would otherwise mix two runs)."""
-        names = {n for p in [*self.algorithms, *self.callbacks] for n in p.run_files}
-        # Only where there is a previous run to clear: finding the installed callbacks'
-        # files imports each of them (~10 ms with five installed).
-        if self.overwrite and self.paths.root.is_dir():
-            for info in self._installed_of(CALLBACKS_GROUP).values():
-                info.load()
-                names.update(getattr(info.cls, "run_files", ()))
-        return names
-
-    def _known_names(self, algorithms: list[Algorithm]) -> set[str]:
-        """Names an order declaration may use: the run's and the installed ones
-        (discovered only when a declaration names an algorithm outside the run)."""
-        names = {a.name for a in algorithms}
-        declared = {n for a in algorithms for n in (*a.runs_after, *a.runs_before)}
-        if declared <= names:
-            return names
-        return names | set(self._installed_of(ALGORITHMS_GROUP))
-
-    def _register(self, normalize: tuple[Sequence[float], Sequence[float]] | None) -> None:
-        # pluggy calls the last registered plugin first. Callbacks go in first
-        # (the first given last, so it is called first), then services, so that at
-        # each event algorithms act, then the engine records, then callbacks observe.
-        write = self.state.rank == 0
-        for callback in reversed(self.callbacks):
-            self.pm.register(callback, name=callback.name)
-        self._defaults = DefaultSteps(self.options.ddp)
-        self.pm.register(self._defaults, name=DefaultSteps.name)
-        self.summary_writer = SummaryWriter(
-            self.run_dir,
-            self._algorithm_records,
-            callback_records=self._callback_records,
-            utilization=self.utilization,
-            target=self.target,
-            write=write,
-        )
-        self.pm.register(self.summary_writer, name=SummaryWriter.name)
-        # The batches' losses, read by the metrics log and before each checkpoint;
-        # the divergence monitor looks at every read.
-        self.losses = TrainLosses()
-        self.divergence = DivergenceMonitor(self.losses, self.options.on_nonfinite)
-        self.checkpointer = Checkpointer(
-            self.run_dir,
-            self._checkpoint_payload,
-            self.options.checkpoint_interval,
-            self.options.checkpoint_keep,
-            write=write,
-            guard=self._before_checkpoint,
-            best_metric=self.options.best_metric,
-        )
-        self.pm.register(self.checkpointer, name=Checkpointer.name)
-        self.pm.register(self.losses, name=TrainLosses.name)
-        self.metrics_log = MetricsLogger(
-            self.run_dir,
-            self.options.log_interval,
-            write=write,
-            utilization=self.utilization,
-            hooks=self.pm.hook,
-            losses=self.losses,
-        )
-        if self.options.progress_bar and write:  # registered before the metrics log: called after it
-            self.pm.register(ProgressBar(metrics=self.metrics_log), name=ProgressBar.name)
-        self.pm.register(self.metrics_log, name=MetricsLogger.name)
-        # On every rank (not only the writer), so that all ranks' clocks leave out
-        # the same counting time and a target stops them all at the same batch.
-        self.pm.register(self.utilization, name=Utilization.name)
-        if self.target is not None:
-            self.target.metrics = self.metrics_log  # the eval record's elapsed_s
-            self.pm.register(self.target, name=TargetAccuracy.name)
-        # Not a hook implementation: an explicit step after batch_start, so it is
-        # last whatever plugins do.
-        self.normalize = Normalize(*normalize) if normalize is not None else Normalize()
-        self.evaluator = Evaluator(
-            self.pm.hook, self.options.eval_interval, self.normalize.prepare, guard=self.divergence.before_evaluation
-        )
-        self.pm.register(self.evaluator, name=Evaluator.name)
-        # The first algorithm in the resolved order is registered last, so its
-        # events fire first and its step wrappers are outermost.
-        for algo in reversed(self.algorithms):
-            self.pm.register(algo, name=algo.name)
-        self._check_hooks()
-        if write:
-            self._warn_unmarked_hooks()
-
-    def _warn_unmarked_hooks(self) -> None:
-        for plugin in (*self.algorithms, *self.callbacks):
-            for method in unmarked_hooks(self.pm, plugin):
-                warnings.warn(
-                    f"slipstream: plugin {plugin.name!r} ({type(plugin).__name__}) defines {method!r}, "
-                    "the name of a hook, without @hookimpl, so the engine never calls it; mark it "
-                    "@hookimpl (from slipstream import hookimpl), or rename it if it is no hook",
-                    stacklevel=4,
-                )
-
-    def _before_checkpoint(self, state: State) -> bool:
-        """The checkpoint service's guard: the metrics log written as far as the
-        checkpoint reaches (so a resume from it finds every record before it, the
-        run's last one included), then the divergence check, whose False means write
-        no checkpoint."""
-        self.metrics_log.log_final(state)
-        self.metrics_log.flush()
-        return self.divergence.check(state)
-
-    def _check_hooks(self) -> None:
-        check_hook_names(self.pm)
-        check_callbacks_observe(self.pm)
-        self._check_step_replacements()
-
-    def _check_step_replacements(self) -> None:
-        for step in hookspecs.STEPS:
-            impls = [
-                impl
-                for impl in getattr(self.pm.hook, step).get_hookimpls()
-                if not (impl.wrapper or impl.hookwrapper) and impl.plugin is not self._defaults
-            ]
-            for impl in impls:
-                if not getattr(impl.function, "_slipstream_checked", False):
-                    impl.function = _checked_step(impl.function, impl.plugin_name, step)
-            for impl in getattr(self.pm.hook, step).get_hookimpls():
-                if impl.wrapper and not getattr(impl.function, "_slipstream_checked", False):
-                    impl.function = _checked_wrapper(impl.function, impl.plugin_name, step)
-            replacing = [impl.plugin_name for impl in impls]
-            if len(replacing) > 1:
-                raise PluginError(
-                    f"plugins {replacing[0]!r} and {replacing[1]!r} both replace the '{step}' step, "
-                    "so only one of them could run; disable one, or make one wrap the step "
-                    "with @hookimpl(wrapper=True)"
-                )
+    @property
+    def hooks(self) -> SimpleNamespace:
+        """Every hook as the loop calls it, bound when the run starts; the per-batch
+        events (`hookspecs.BATCH_EVENTS`) are None when nobody implements them."""
+        return self._hooks
 
     def _bind_hooks(self) -> None:
         """Look every hook up once (`slipstream.plugins.dispatch`): plain implementations are
@@ -501,12 +215,6 @@ class Trainer:
         for name in (*hookspecs.EVENTS, *hookspecs.STEPS):
             per_batch = name in hookspecs.BATCH_EVENTS
             setattr(self._hooks, name, bind_event(self.pm, name) if per_batch else bind(self.pm, name))
-
-    @property
-    def hooks(self) -> SimpleNamespace:
-        """Every hook as the loop calls it, bound when the run starts; the per-batch
-        events (`hookspecs.BATCH_EVENTS`) are None when nobody implements them."""
-        return self._hooks
 
     # -- the run -------------------------------------------------------------------
 
@@ -522,91 +230,27 @@ class Trainer:
             order = " -> ".join(a.name for a in self.algorithms) or "none"
             print(f"slipstream: algorithms in order: {order}", file=sys.stderr)
             if self.callbacks:
-                names = ", ".join(c.name for c in self.callbacks)
-                print(f"slipstream: callbacks: {names}", file=sys.stderr)
+                print(f"slipstream: callbacks: {', '.join(c.name for c in self.callbacks)}", file=sys.stderr)
             print(f"slipstream: run directory: {self.run_dir}", file=sys.stderr)
         # Told even when quiet: the user must learn that a second signal aborts.
         restore_signals = stop_on_signals(state, verbose=state.rank == 0)
         try:
-            # A real resume reads the checkpoint once (it pins the variants); loading
-            # weights only is a new run, which measures its own.
-            payload = None
-            if self.load_path is not None and not self.weights_only:
-                payload = load_checkpoint(self.load_path, map_location=state.device)
-            self._choose_variants(payload)
-            pm.hook.init(state=state)
-            self._check_hooks()  # init may have registered helpers
-            if self.load_path is not None and self.weights_only:
-                load_weights(
-                    state.unwrapped_model,
-                    self.load_path,
-                    ignore_keys=self.options.load_ignore_keys,
-                    weights=self.options.load_weights,
-                    verbose=self.verbose,
-                )
-            elif self.load_path is not None:
-                restore_checkpoint(
-                    state, self.load_path, verbose=self.verbose, hook=self.pm.hook, payload=payload
-                )
-                self.losses.load_state_dict(payload.get("train_losses"))
-                # Changed settings are allowed here (autoresume refused them before the
-                # start), but never silent; told once the checkpoint is known to fit.
-                saved = payload.get("config")
-                changed = config_differences(saved, self.config)
-                if changed:
-                    state.summary["resumed_with_changes"] = changed
-                    if state.rank == 0:
-                        warnings.warn(resumed_with_changes(self.load_path, saved, self.config, changed), stacklevel=2)
-                    keep_saved_optimizer_settings(self.config, saved, changed)
-                # The records before the checkpoint are in the log of the run that wrote it.
-                written_in = self._written_in()
-                if written_in is not None:
-                    resume_summary(state, written_in.metrics, self.target)
-            # Resumed at its end (a requeued job that had finished), or fit() again: nothing
-            # is left, unless a signal stopped the run in its last batch, before its end
-            # (the final evaluation and summary), which then runs now with the rates of
-            # the session that trained.
-            finished = self._finished_summary() if state.is_done() else None
-            if state.is_done() and finished is None:
-                # At its end with no summary.json (killed after its last checkpoint): the
-                # final evaluation and the summary run now; the training rates are unknown.
-                self.summary_writer.carried = dict.fromkeys(("samples_per_s", "mfu"))
-                warnings.warn(
-                    f"slipstream: {self.load_path} is at the run's end, but the run wrote no summary.json "
-                    "(stopped after its last checkpoint): evaluating and writing it now, with its "
-                    "throughput unknown",
-                    stacklevel=2,
-                )
-            elif finished is not None and self.load_path is not None and finished.get("status") == "interrupted":
-                self.summary_writer.carried = finished
-            elif finished is not None:
-                ts = state.timestamp
-                where = self.load_path if self.load_path is not None and ts.batch else "this Trainer"
-                if state.rank == 0:
-                    warnings.warn(
-                        f"slipstream: {where} is at step {ts.batch} (epoch {ts.epoch}), already at "
-                        f"trainer.max_duration={state.max_duration}: nothing is left to train, and the "
-                        "run directory is left as it is; to train on, raise trainer.max_duration (in Python: "
-                        "a new Trainer with a larger max_duration and load_path=<its checkpoint>)",
-                        stacklevel=2,
-                    )
+            finished = self._start()
+            if finished is not None:
                 # Nothing runs and nothing is written: another final evaluation and a
-                # summary of a session that trained nothing (0 samples/s) would overwrite
-                # the finished run's.
+                # summary of a session that trained nothing would overwrite the run's.
                 self.summary = finished
                 return self.summary
-            self._wrap_distributed()
-            self._share_clock = self._shared_clock()
+            # DDP by default; a parallelism plugin may distribute the model itself.
+            state.model = pm.hook.wrap_model(state=state)
+            self._share_clock = shared_clock(state, self.options)
             self._bind_hooks()
             if state.rank == 0:
-                prepare_run_dir(
-                    self.paths,
-                    overwrite=self.overwrite,
-                    load_path=self._resume_path,
-                    config=self.config,
-                    verbose=self.verbose,
-                    plugin_files=self._plugin_files(),
+                files = self.registry.run_files(
+                    [*self.algorithms, *self.callbacks], every_callback=self.overwrite and self.paths.root.is_dir()
                 )
+                prepare_run_dir(self.paths, overwrite=self.overwrite, load_path=self.start.continues,
+                                config=self.config, verbose=self.verbose, plugin_files=files)  # fmt: skip
             # A model handed over in eval mode (evaluated after loading weights) would
             # otherwise train with frozen batch-norm statistics and no dropout.
             state.model.train()
@@ -619,7 +263,7 @@ class Trainer:
                 signal_name = state.summary.get("interrupted_by", "a signal")
                 checkpointed = self.checkpointer.interval.enabled
                 state.stop_reason = interrupted_reason(signal_name, state.timestamp.batch, checkpointed)
-            self.divergence.finish(state)
+            self.services.divergence.finish(state)
             self._hooks.fit_end(state=state)
         except BaseException as error:
             state.shared_clock = False
@@ -638,61 +282,68 @@ class Trainer:
             print(f"slipstream: {state.stop_reason}", file=sys.stderr)
         return self.summary
 
+    def _start(self) -> dict[str, Any] | None:
+        """Variants, ``init`` and the resume; the summary of a run already at its end,
+        which has nothing left to do (None: train)."""
+        state, start = self.state, self.start
+        # A resumed run keeps the checkpoint's variants; loading weights only is a new
+        # run, which measures its own.
+        choose_run_variants(state, self.algorithms, self.services, payload=start.payload, options=self.options,
+                            verbose=self.verbose)  # fmt: skip
+        self.pm.hook.init(state=state)
+        check_hooks(self.pm, self.services.defaults)  # init may have registered helpers
+        if resume(state, start, options=self.options, config=self.config, hook=self.pm.hook, verbose=self.verbose):
+            self.services.losses.load_state_dict(start.payload.get("train_losses"))
+            # The records before the checkpoint are in the log of the run that wrote it.
+            where = written_in(self.load_path)
+            if where is not None:
+                resume_summary(state, where.metrics, self.target)
+        if not state.is_done():
+            return None
+        # Resumed at its end (a requeued job that had finished), or fit() again: nothing
+        # is left, unless a signal stopped the run in its last batch, before its end
+        # (the final evaluation and summary), which then runs now with the rates of the
+        # session that trained.
+        finished = self._finished_summary()
+        if finished is None:
+            # At its end with no summary.json (killed after its last checkpoint): the
+            # final evaluation and the summary run now; the training rates are unknown.
+            self.summary_writer.carried = dict.fromkeys(("samples_per_s", "mfu"))
+            warnings.warn(
+                f"slipstream: {self.load_path} is at the run's end, but the run wrote no summary.json "
+                "(stopped after its last checkpoint): evaluating and writing it now, with its "
+                "throughput unknown",
+                stacklevel=3,
+            )
+            return None
+        if self.load_path is not None and finished.get("status") == "interrupted":
+            self.summary_writer.carried = finished
+            return None
+        ts = state.timestamp
+        where = self.load_path if self.load_path is not None and ts.batch else "this Trainer"
+        if state.rank == 0:
+            warnings.warn(
+                f"slipstream: {where} is at step {ts.batch} (epoch {ts.epoch}), already at "
+                f"trainer.max_duration={state.max_duration}: nothing is left to train, and the "
+                "run directory is left as it is; to train on, raise trainer.max_duration (in Python: "
+                "a new Trainer with a larger max_duration and load_path=<its checkpoint>)",
+                stacklevel=3,
+            )
+        return finished
+
     def _finished_summary(self) -> dict[str, Any] | None:
         """The summary of a run already at its end: this Trainer's own after an earlier
         fit(), else the summary.json of the run directory, or of the run that wrote the
         checkpoint; None where neither has one."""
         if self.summary_writer.summary:
             return self.summary_writer.summary
-        for place in filter(None, (self.paths, self._written_in())):
+        place: RunDir | None
+        for place in filter(None, (self.paths, written_in(self.load_path))):
             try:
                 return json.loads(place.summary.read_text())
             except (OSError, ValueError):
                 continue
         return None
-
-    def _written_in(self) -> RunDir | None:
-        """The run directory of the checkpoint this run loads, when it lies in one."""
-        if self.load_path is None or self.load_path.parent.name != "checkpoints":
-            return None
-        return RunDir(self.load_path.parent.parent)
-
-    def _choose_variants(self, payload: dict[str, Any] | None) -> None:
-        """Measured ``auto`` (`slipstream.plugins.variants`): each algorithm that declares
-        variants is told which to run before ``init``; a resumed run keeps the
-        checkpoint's choice. Every rank runs rank 0's choice."""
-        state = self.state
-        pinned = None
-        if payload is not None:
-            pinned = payload.get("variants")
-            pinned = dict(pinned) if isinstance(pinned, dict) else {}
-        record = choose_variants(
-            state,
-            self.algorithms,
-            model_name=str((self.config.get("model") or {}).get("name", "model")),
-            steps=self._defaults,
-            prepare=self.normalize.prepare,
-            move=self._to_device,
-            pinned=pinned,
-            measure_on=self.options.autotune,
-            warmup=self.options.autotune_warmup,
-            timed=self.options.autotune_steps,
-            write_cache=state.rank == 0,
-        )
-        if record is None:
-            return
-        if state.world_size > 1:
-            import torch.distributed as dist
-
-            shared = [record]
-            dist.broadcast_object_list(shared, src=0)
-            record = shared[0]
-            for algo in self.algorithms:
-                if algo.name in record["choice"]:
-                    algo.use_variant(record["choice"][algo.name])
-        state.summary["auto"] = record
-        if self.verbose:
-            print_choice(record)
 
     def _loop(self) -> None:
         while not self.state.is_done():
@@ -715,7 +366,7 @@ class Trainer:
                     "before it: it can be read only once (an iterator or generator); pass a "
                     "DataLoader (or anything iter() can start again), or give max_duration in batches"
                 )
-            raise ConfigError(f"the training data yielded no batches; {_why_no_batches(self.state.train_loader)}")
+            raise ConfigError(f"the training data yielded no batches; {why_no_batches(self.state.train_loader)}")
         # A run that stops mid-epoch has not completed it (a resume continues there).
         epoch_complete = state.batches_per_epoch is None or ts.batch_in_epoch >= state.batches_per_epoch
         if not state.is_done() or epoch_complete:
@@ -799,251 +450,28 @@ class Trainer:
             next(iterator, None)
         return iterator
 
-    def _shared_clock(self) -> Callable[[State], None] | None:
-        """Across processes, a run that the wall clock ends (or evaluates, or checkpoints)
-        must decide by one clock: each rank's own would let one rank stop or evaluate a
-        batch before another, which then waits for it in a collective for ever. Each batch
-        the ranks agree on the latest of their clocks (one all-reduce of a number; only
-        for such runs)."""
-        state = self.state
-        if state.world_size <= 1 or not self._wall_clock_decides():
-            return None
-        import torch.distributed as dist
-
-        device = state.device if state.device.type == "cuda" else torch.device("cpu")
-
-        def share(state: State) -> None:
-            clock = torch.tensor([state.tick()], dtype=torch.float64, device=device)
-            dist.all_reduce(clock, op=dist.ReduceOp.MAX)
-            state.timestamp.elapsed_s = float(clock.item())
-
-        # From here until the loop ends, the run decides by the agreed time only (the
-        # metrics log's and progress bar's own ticks must not move it on one rank).
-        state.shared_clock = True
-        return share
-
-    def _wall_clock_decides(self) -> bool:
-        if self.state.max_duration.unit == "s":
-            return True  # "dur" intervals and schedules then follow the clock too
-        for value in (self.options.eval_interval, self.options.checkpoint_interval):
-            try:
-                if value is not None and Duration.parse(value).unit == "s":
-                    return True
-            except (ValueError, TypeError):
-                continue
-        return False
-
-    def _wrap_distributed(self) -> None:
-        # DDP by default; a parallelism plugin may distribute the model itself.
-        self.state.model = self.pm.hook.wrap_model(state=self.state)
-
-    # -- what checkpoints and the summary record -------------------------------------
-
-    def _algorithm_records(self) -> list[dict[str, Any]]:
-        return [algorithm_record(a, self._distributions[a.name]) for a in self.algorithms]
-
-    def _callback_records(self) -> list[dict[str, Any]]:
-        return [algorithm_record(c, self._distributions[c.name]) for c in self.callbacks]
-
     def _checkpoint_payload(self, state: State) -> dict[str, Any]:
-        payload = checkpoint_payload(
-            state, [*self._algorithm_records(), *self._callback_records()], hook=self.pm.hook
-        )
-        return {**payload, "train_losses": self.losses.state_dict()}  # the metrics log's open window
+        records = self.registry.records([*self.algorithms, *self.callbacks])
+        payload = checkpoint_payload(state, records, hook=self.pm.hook)
+        return {**payload, "train_losses": self.services.losses.state_dict()}  # the metrics log's open window
 
 
-SCHEDULER_INTERVALS = ("epoch", "batch")
-
-
-# A plain DataLoader's samplers: every process that uses one reads all of the dataset.
-WHOLE_DATASET_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)
-
-
-def _check_arguments(model: Any, optimizer: Any, train_data: Any, eval_data: Any, loss_fn: Any) -> None:
-    """The Trainer's objects are what it takes, or one line says what was given: each
-    would otherwise fail later, deep in torch, with a message about something else."""
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"Trainer: model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(optimizer, type):
+def _options(
+    options: TrainerOptions | None, settings: dict[str, Any], *, max_duration: Any, run_dir: Any
+) -> TrainerOptions:
+    """The run-level settings, given as keywords (validated here) or, by the command
+    line, as options its config validated; max_duration=None keeps the default."""
+    if max_duration is not None:
+        settings["max_duration"] = max_duration
+    if run_dir is not None:
+        settings["run_dir"] = run_dir
+    if options is None:
+        return TrainerOptions.from_keywords(settings).validate()
+    if settings:
         raise ConfigError(
-            f"Trainer: optimizer must be an optimizer instance, got the class {optimizer.__name__}; "
-            f"build it on the model's parameters, e.g. {optimizer.__name__}(model.parameters(), lr=0.1)"
+            f"Trainer: give the settings as options= or as keywords, not both (got options= and {', '.join(settings)})"
         )
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"Trainer: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise ConfigError(
-            f"Trainer: loss_fn must be callable as loss_fn(outputs, targets), got {type(loss_fn).__name__} "
-            f"{loss_fn!r}; e.g. torch.nn.CrossEntropyLoss(label_smoothing=0.1), or leave it out for cross-entropy"
-        )
-    for name, data in (("train_data", train_data), ("eval_data", eval_data)):
-        if data is None and name == "eval_data":
-            continue
-        if isinstance(data, Dataset) and not isinstance(data, IterableDataset):
-            raise ConfigError(
-                f"Trainer: {name} is a {type(data).__name__}, a dataset of single samples; give batches: "
-                "torch.utils.data.DataLoader(dataset, batch_size=...) or slipstream.data.build_loader(...)"
-            )
-        if not isinstance(data, Iterable):
-            raise ConfigError(
-                f"Trainer: {name} must be an iterable of (inputs, targets) batches, such as a "
-                f"DataLoader; got {type(data).__name__}"
-            )
-
-
-def _check_unknown_epoch_length(max_duration: Duration, options: TrainerOptions, warn: bool) -> None:
-    """Without the number of batches in an epoch (train_data has no len()), a time inside
-    an epoch cannot be placed: the run's time in epochs moves only at epoch ends."""
-    if max_duration.unit == "ep" and not float(max_duration.value).is_integer():
-        raise ConfigError(
-            f"max_duration={max_duration}: train_data has no len(), so the run cannot tell where "
-            f"{max_duration.value:g} epochs end and would train on to the next whole epoch; give "
-            "max_duration in whole epochs or in batches (e.g. 500ba)"
-        )
-    for key in ("eval_interval", "checkpoint_interval"):
-        value = getattr(options, key)
-        try:
-            every = Duration.parse(value) if value is not None else None
-        except (ValueError, TypeError):
-            continue
-        if every is None:
-            continue
-        epochs = every.value if every.unit == "ep" else None
-        if every.unit == "dur" and max_duration.unit == "ep":
-            epochs = every.value * max_duration.value
-        if epochs is not None and not float(epochs).is_integer() and warn:
-            warnings.warn(
-                f"slipstream: {key}={value} falls inside an epoch, and train_data has no len(), so the "
-                "run cannot tell where: it acts at the first batch_end or epoch_end past the mark instead; "
-                "give it in batches (e.g. 100ba) or in whole epochs",
-                ConfigWarning,
-                stacklevel=3,
-            )
-
-
-def _checked_schedulers(schedulers: Any, optimizer: torch.optim.Optimizer) -> list[Any]:
-    """The LR schedulers as a list (one scheduler alone is taken as it is), each on the
-    Trainer's optimizer: a scheduler of another optimizer would move nothing the run
-    trains with, and the run would end "completed" at its first LR."""
-    if schedulers is None:
-        return []
-    if isinstance(schedulers, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
-        schedulers = [schedulers]
-    if not isinstance(schedulers, Iterable) or isinstance(schedulers, (str, bytes)):
-        raise ConfigError(
-            f"Trainer: schedulers must be a list of torch LR schedulers, got {type(schedulers).__name__}"
-        )
-    schedulers = list(schedulers)
-    for scheduler in schedulers:
-        kind = type(scheduler).__name__
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise ConfigError(
-                "Trainer: ReduceLROnPlateau steps on a metric, and the loop steps schedulers without one; "
-                "use a schedule of time (StepLR, CosineAnnealingLR, OneCycleLR, ...), or step it in your own "
-                "algorithm's eval_end hook with state.eval_metrics['loss'] (docs/plugins.md)"
-            )
-        if not callable(getattr(scheduler, "step", None)):
-            raise ConfigError(f"Trainer: schedulers holds a {kind}, which is no LR scheduler (it has no step())")
-        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
-            raise ConfigError(
-                f"Trainer: the {kind} in schedulers was built on another optimizer than the Trainer's, so it "
-                "would change nothing the run trains with; build it on the optimizer you pass as optimizer="
-            )
-    return schedulers
-
-
-def _checked_step(function: Callable[..., Any], plugin: str, step: str) -> Callable[..., Any]:
-    """A replacing step implementation as pluggy and the loop call it: ``NOT_MINE``
-    becomes pluggy's None (the next implementation runs), None or a result of a kind the
-    step does not allow is an error."""
-    allowed = step_result_check(plugin, step)
-
-    @functools.wraps(function)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        result = function(*args, **kwargs)
-        if result is None:
-            raise PluginError(
-                f"plugin {plugin!r} replaces the '{step}' step but returned None; return the "
-                f"step's result, or slipstream.NOT_MINE to leave the step to the engine"
-            )
-        if result is hookspecs.NOT_MINE:
-            return None
-        if allowed is not None:
-            allowed(result)
-        return result
-
-    checked._slipstream_checked = True  # type: ignore[attr-defined]
-    return checked
-
-
-def _checked_wrapper(function: Callable[..., Any], plugin: str, step: str) -> Callable[..., Any]:
-    """A step wrapper (``@hookimpl(wrapper=True)``) as pluggy calls it: what it returns
-    is the step's result, so None (a forgotten ``return``) is an error naming it rather
-    than a None loss or output failing somewhere after; so is a result of a kind the step
-    does not allow."""
-    allowed = step_result_check(plugin, step, wraps=True)
-
-    @functools.wraps(function)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        result = yield from function(*args, **kwargs)
-        if result is None:
-            raise PluginError(
-                f"plugin {plugin!r} wraps the '{step}' step but returned None; a wrapper returns "
-                "the step's result: `result = yield`, then `return result` (or what replaces it)"
-            )
-        if allowed is not None:
-            allowed(result)
-        return result
-
-    checked._slipstream_checked = True  # type: ignore[attr-defined]
-    return checked
-
-
-def _single_sample_last_batch(loader: Any) -> str | None:
-    """What makes ``loader``'s last batch a single sample, when it keeps it (None else)."""
-    batch_size = getattr(loader, "batch_size", None)
-    if getattr(loader, "drop_last", True) or not isinstance(batch_size, int) or batch_size < 2:
-        return None
-    try:
-        samples = getattr(loader, "num_samples", None) or len(loader.dataset)
-    except (TypeError, AttributeError):
-        return None
-    if isinstance(samples, int) and samples % batch_size == 1:
-        return f"{samples} samples in batches of {batch_size}"
-    return None
-
-
-def _why_no_batches(loader: Any) -> str:
-    """What made an epoch of ``loader`` empty, as far as its dataset, batch size and
-    sampler tell, and what to change."""
-    try:
-        samples = len(loader.dataset)
-    except (AttributeError, TypeError):  # an iterable without a length
-        return "check the dataset and batch size"
-    if samples == 0:
-        return "its dataset is empty"
-    sampler = getattr(loader, "sampler", None)
-    batch_size = getattr(loader, "batch_size", None) or getattr(sampler, "batch_size", None)
-    world = getattr(sampler, "world_size", 1)
-    drops = getattr(sampler, "drop_last", False) or getattr(loader, "drop_last", False)
-    if batch_size and drops and samples < batch_size * world:
-        per = f"{batch_size} x {world} processes" if world > 1 else str(batch_size)
-        return (
-            f"its {samples} samples are fewer than one batch of {per}, and drop_last drops that "
-            f"partial batch; use a batch size of at most {samples // world or 1}, more samples, or "
-            "drop_last=False (data.batch_size, data.train_size, data.drop_last in a config)"
-        )
-    return f"{samples} samples, batch size {batch_size}; check the dataset's sampler"
-
-
-def _batches_per_epoch(loader: Any) -> int | None:
-    sampler = getattr(loader, "sampler", None)
-    if hasattr(sampler, "batches_per_epoch"):
-        return int(sampler.batches_per_epoch)
-    try:
-        return len(loader)
-    except TypeError:
-        return None
+    return options if options.validated else options.validate()
 
 
 def _signature() -> inspect.Signature:

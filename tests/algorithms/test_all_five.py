@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import Probe
-from slipstream.cli.runner import build_trainer
+from slipstream.run.build import build_trainer
 from slipstream.config.schema import build_config
 
 FIVE = "mixed_precision,channels_last,stepwise_lr,image_size_curriculum,gpu_augmentation"

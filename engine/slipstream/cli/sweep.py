@@ -36,12 +36,12 @@ from optuna.distributions import (
 )
 from optuna.trial import TrialState
 
-from slipstream.cli.runner import build_trainer
-from slipstream.config.schema import build_config, known_num_classes, to_dict
+from slipstream.config.schema import build_config, build_run, known_num_classes, to_dict
 from slipstream.errors import ConfigError, did_you_mean
 from slipstream.hookspecs import hookimpl
 from slipstream.optim import OPTIMIZERS
 from slipstream.plugins.discovery import CALLBACKS_GROUP, discover, instantiate
+from slipstream.run.build import build_trainer
 from slipstream.run.directory import atomic_write_text
 from slipstream.state import State
 
@@ -271,7 +271,42 @@ def run_sweep(
     if verbose and done:
         print(f"slipstream: sweep {root}: {_count(done, 'trial')} done, {remaining} to go", file=sys.stderr)
 
-    rng = random.Random(int(base.trainer.seed) + len(study.trials))
+    remaining = _run_trials(
+        study,
+        space,
+        lambda trial, params: _run_trial(recipe, space.overrides(params), root, trial, metric, verbose),
+        trials=trials,
+        done=done,
+        remaining=remaining,
+        seed=int(base.trainer.seed),
+        root=root,
+        verbose=verbose,
+    )
+    rows = trial_rows(study, metric, root)
+    write_trials_csv(rows, root / TRIALS_CSV)
+    best = _write_best_recipe(study, recipe, space, root, metric)
+    if verbose:
+        print(format_trials(rows))
+        if best is not None:
+            print(f"best recipe: {best}  (slipstream train --recipe {best})")
+    return SweepResult(study, rows, best, short=remaining)
+
+
+def _run_trials(
+    study: optuna.Study,
+    space: SearchSpace,
+    run: Any,
+    *,
+    trials: int,
+    done: int,
+    remaining: int,
+    seed: int,
+    root: Path,
+    verbose: bool,
+) -> int:
+    """Run trials until ``remaining`` more have finished (``run(trial, params)`` runs
+    one); returns how many are still short after too many failures."""
+    rng = random.Random(seed + len(study.trials))
     exhausted = False
 
     def objective(trial: optuna.Trial) -> float:
@@ -287,7 +322,7 @@ def run_sweep(
             else:
                 study.enqueue_trial(fresh)
             raise _Repeat
-        return _run_trial(recipe, space.overrides(params), root, trial, metric, verbose)
+        return run(trial, params)
 
     # A failed trial does not count toward --trials: another one is run in its place,
     # up to as many failures in this call as trials were asked for (at least 3): a
@@ -307,14 +342,7 @@ def run_sweep(
             f"{_count(remaining, 'trial')} short; see the failed trials' run directories",
             file=sys.stderr,
         )
-    rows = trial_rows(study, metric, root)
-    write_trials_csv(rows, root / TRIALS_CSV)
-    best = _write_best_recipe(study, recipe, space, root, metric)
-    if verbose:
-        print(format_trials(rows))
-        if best is not None:
-            print(f"best recipe: {best}  (slipstream train --recipe {best})")
-    return SweepResult(study, rows, best, short=remaining)
+    return remaining
 
 
 def _check_trial_config(recipe: str | Path, overrides: list[str]) -> Any:
@@ -395,9 +423,9 @@ def _run_trial(
     verbose: bool,
 ) -> float:
     run_dir = root / f"trial-{trial.number:03d}"
-    cfg = build_config(recipe, None, [*overrides, f"trainer.run_dir={json.dumps(str(run_dir))}"])
-    cfg.trainer.progress_bar = False
-    trainer = build_trainer(cfg, label=run_dir.name, verbose=False)
+    run = [f"trainer.run_dir={json.dumps(str(run_dir))}", "trainer.progress_bar=false"]
+    spec = build_run(recipe, None, [*overrides, *run])
+    trainer = build_trainer(spec, label=run_dir.name, verbose=False)
     hook = PruningHook(trial, metric)
     trainer.pm.register(hook, name=PruningHook.name)
     summary = trainer.fit()

@@ -473,3 +473,51 @@ def _short(label: str) -> str:
 
 def print_choice(record: Mapping[str, Any]) -> None:
     print(describe(record), file=sys.stderr)
+
+
+def choose_run_variants(
+    state: State,
+    algorithms: Sequence[Any],
+    services: Any,
+    *,
+    payload: Mapping[str, Any] | None,
+    options: Any,
+    verbose: bool,
+) -> None:
+    """Measured ``auto`` for a run: each algorithm that declares variants is told which
+    to run before ``init``; a resumed run keeps the checkpoint's choice (``payload``),
+    and every rank runs rank 0's. ``services``: the run's (its default steps and
+    normalisation); ``options``: its TrainerOptions."""
+    from slipstream.services.batches import batch_mover
+
+    pinned = None
+    if payload is not None:
+        pinned = payload.get("variants")
+        pinned = dict(pinned) if isinstance(pinned, dict) else {}
+    record = choose_variants(
+        state,
+        algorithms,
+        model_name=str((state.config.get("model") or {}).get("name", "model")),
+        steps=services.defaults,
+        prepare=services.normalize.prepare,
+        move=batch_mover(state.device),
+        pinned=pinned,
+        measure_on=options.autotune,
+        warmup=options.autotune_warmup,
+        timed=options.autotune_steps,
+        write_cache=state.rank == 0,
+    )
+    if record is None:
+        return
+    if state.world_size > 1:
+        import torch.distributed as dist
+
+        shared = [record]
+        dist.broadcast_object_list(shared, src=0)
+        record = shared[0]
+        for algo in algorithms:
+            if algo.name in record["choice"]:
+                algo.use_variant(record["choice"][algo.name])
+    state.summary["auto"] = record
+    if verbose:
+        print_choice(record)

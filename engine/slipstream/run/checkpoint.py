@@ -20,6 +20,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -606,6 +607,107 @@ def restore_checkpoint(
             f"slipstream: resumed from {path} at epoch {ts.epoch}, batch {ts.batch}",
             file=sys.stderr,
         )
+
+
+@dataclass
+class StartFrom:
+    """What a run starts from, decided before anything is built or written: the
+    checkpoint it continues (read once, here), the weights it fine-tunes from
+    (``weights_only``), or nothing. ``clear``: autoresume found the leftovers of an
+    attempt that saved no checkpoint, to be cleared."""
+
+    path: Path | None = None
+    weights_only: bool = False
+    payload: dict[str, Any] | None = None
+    clear: bool = False
+
+    @property
+    def continues(self) -> Path | None:
+        """The checkpoint this run continues (its run directory's files are kept); None
+        for a fresh run, a fine-tuning one included."""
+        return None if self.weights_only else self.path
+
+
+def find_start(options: Any, config: Mapping[str, Any], device: Any, verbose: bool = False) -> StartFrom:
+    """Where the run of ``options`` (validated TrainerOptions) and ``config`` starts:
+    ``load_path``, or with ``autoresume`` the run directory's ``latest.pt`` (refused when
+    its config differs in what changes training). A checkpoint that is continued is
+    read here, once, onto ``device``."""
+    start = StartFrom(Path(options.load_path) if options.load_path else None, bool(options.load_weights_only))
+    if options.autoresume:
+        start = _autoresumed(Path(options.run_dir), config, start, device, verbose)
+    if start.path is not None and not start.path.exists():
+        raise CheckpointError(f"trainer.load_path: checkpoint {start.path} does not exist")
+    if start.continues is not None and start.payload is None:
+        start.payload = load_checkpoint(start.path, map_location=device)
+    return start
+
+
+def _autoresumed(run_dir: Path, config: Mapping[str, Any], start: StartFrom, device: Any, verbose: bool) -> StartFrom:
+    paths = RunDir(run_dir)
+    if not paths.latest.is_file():
+        ended = paths.ended_as()
+        if ended:  # clearing it would lose its results for a run of the same steps again
+            raise ConfigError(
+                f"trainer.autoresume: the run in {run_dir} ended ({ended}) and kept no checkpoint "
+                "to continue from; nothing is changed. Choose another trainer.run_dir"
+            )
+        if verbose:
+            print(f"slipstream: autoresume: no checkpoint in {run_dir}, starting", file=sys.stderr)
+        return StartFrom(start.path, start.weights_only, clear=bool(paths.holds_run()))
+    payload = load_checkpoint(paths.latest, map_location=device)
+    differ = config_differences(payload.get("config"), config)
+    if differ:
+        raise ConfigError(
+            f"trainer.autoresume: the run in {run_dir} was started with another config; "
+            f"these keys differ: {', '.join(differ)}. Restore them, or choose another trainer.run_dir"
+        )
+    return StartFrom(paths.latest, payload=payload)
+
+
+def resume(
+    state: State,
+    start: StartFrom,
+    *,
+    options: Any,
+    config: dict[str, Any],
+    hook: Any = None,
+    verbose: bool = False,
+) -> bool:
+    """Load what the run starts from into ``state`` (after the plugins' ``init``): the
+    weights of a fine-tuning run, or everything of a continued one, whose changed
+    settings are told (and kept in ``state.summary["resumed_with_changes"]``; the
+    optimizer's come from the checkpoint). True when a checkpoint was continued."""
+    if start.path is None:
+        return False
+    if start.weights_only:
+        load_weights(
+            state.unwrapped_model,
+            start.path,
+            ignore_keys=options.load_ignore_keys,
+            weights=options.load_weights,
+            verbose=verbose,
+        )
+        return False
+    payload = start.payload if start.payload is not None else load_checkpoint(start.path, state.device)
+    restore_checkpoint(state, start.path, verbose=verbose, hook=hook, payload=payload)
+    # Changed settings are allowed here (autoresume refused them before the start), but
+    # never silent; told once the checkpoint is known to fit.
+    saved = payload.get("config")
+    changed = config_differences(saved, config)
+    if changed:
+        state.summary["resumed_with_changes"] = changed
+        if state.rank == 0:
+            warnings.warn(resumed_with_changes(start.path, saved, config, changed), stacklevel=3)
+        keep_saved_optimizer_settings(config, saved, changed)
+    return True
+
+
+def written_in(path: Path | None) -> RunDir | None:
+    """The run directory of the checkpoint ``path``, when it lies in one."""
+    if path is None or path.parent.name != "checkpoints":
+        return None
+    return RunDir(path.parent.parent)
 
 
 def world_size_changed(path: Path, saved: int, state: State, saved_batch: Any = None) -> str:

@@ -47,7 +47,6 @@ from slipstream.plugins.dispatch import raised_in
 from slipstream.state import State
 
 OPTIMIZERS = ("sgd", "adamw", "adafactor")
-WRAPS = ("ddp", "fsdp")
 MODELS = ("cnn", "vit")
 IMAGE_SIZE = 32  # the ViT's (8 px patches: at 0.75 of it a curriculum has 3x3 patches, not 2x2 rounded up)
 # The CNN's: below 48 px the ImageNet stem leaves layer4 1x1 maps, where a bf16 autocast,
@@ -683,7 +682,7 @@ def run_distributed(
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-         f"--master_port={port}", "-m", "slipstream.plugins.compatibility", str(spec_path)],
+         f"--master_port={port}", "-m", "slipstream.cli.compatibility", str(spec_path)],
         capture_output=True, text=True, timeout=timeout, env=env,
     )
     out = workdir / "distributed.results.json"

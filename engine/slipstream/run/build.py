@@ -1,0 +1,139 @@
+"""A Trainer built from a run's configuration: what `slipstream train`, a sweep's
+trials, `eval` and `export` build, in the one order of construction (docs/architecture.md):
+the validated specification, the plugins, the process set-up, then data, model,
+optimizer and loss, then the Trainer's assembly."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from slipstream.config.options import check_output_dir
+from slipstream.config.schema import RunSpec, to_dict
+from slipstream.data.sources import DATASETS_GROUP, DataRequest, build_dataset_plugin
+from slipstream.distributed import from_rank0
+from slipstream.errors import ConfigError, DataError
+from slipstream.models import build_loss, build_model
+from slipstream.optim import build_optimizer
+from slipstream.plugins.base import Plugin
+from slipstream.plugins.discovery import CALLBACKS_GROUP, PluginInfo
+from slipstream.plugins.registry import Registry
+from slipstream.run.directory import new_run_dir
+from slipstream.run.process import set_up_process
+from slipstream.trainer import Trainer
+
+
+def build_trainer(
+    spec: RunSpec | DictConfig,
+    *,
+    label: str = "run",
+    installed: dict[str, PluginInfo] | Registry | None = None,
+    verbose: bool = True,
+    plugins: tuple[list[Plugin], list[Plugin]] | None = None,
+) -> Trainer:
+    """Everything is validated (algorithms, callbacks, data, model, optimizer) before
+    the run directory is touched, so a bad config costs nothing. ``spec``: what
+    :func:`~slipstream.config.schema.build_run` returned (a bare config is validated
+    here). ``plugins``: the algorithms and callbacks already built from it with
+    ``installed``."""
+    if not isinstance(spec, RunSpec):
+        from slipstream.config.schema import validate
+
+        spec = RunSpec(spec, validate(spec))
+    cfg = spec.config
+    registry = installed if isinstance(installed, Registry) else Registry(installed)
+    if plugins is None:
+        plugins = (registry.build(to_dict(cfg.algorithms)), registry.build(to_dict(cfg.callbacks), CALLBACKS_GROUP))
+    d = cfg.data
+    dataset = build_dataset_plugin(dict(to_dict(d)), registry.installed(DATASETS_GROUP))
+    options = copy.copy(spec.options)  # validated by the config; what only this process knows goes on
+    options.verbose = verbose
+    options.normalize = dataset.stats if d.normalize else None
+    if options.run_dir is None:
+        options.run_dir = new_run_dir(label)
+        check_output_dir(Path(options.run_dir), "trainer.run_dir")
+    process = set_up_process(options)  # data and model are built seeded
+    options.device = process.device
+    # Named by each process's clock unless given: rank 0's name is the run's.
+    options.run_dir = from_rank0(options.run_dir)
+    data = _build_data(dataset, cfg, process)
+    if data.stats is not None and d.normalize:
+        options.normalize = data.stats
+    model, optimizer, loss_fn = _build_model(cfg, data.num_classes, process.device)
+    resolved = to_dict(cfg)
+    resolved["model"]["num_classes"] = data.num_classes
+    algorithms, callbacks = plugins
+    return Trainer(
+        model=model,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        train_data=data.train,
+        eval_data=data.eval,
+        algorithms=algorithms,
+        callbacks=callbacks,
+        config=resolved,
+        installed=registry,
+        options=options,
+        process=process,
+    )
+
+
+def _build_data(dataset: Any, cfg: DictConfig, process: Any) -> Any:
+    d = cfg.data
+    request = DataRequest(
+        image_size=d.image_size,
+        batch_size=d.batch_size,
+        eval_batch_size=d.eval_batch_size or 2 * d.batch_size,
+        num_workers=d.num_workers,
+        pin_memory=d.pin_memory and process.device.type == "cuda",
+        persistent_workers=d.persistent_workers,
+        drop_last=d.drop_last,
+        seed=cfg.trainer.seed,
+        rank=process.rank,
+        world_size=process.world_size,
+    )
+    try:
+        return dataset.build(request)
+    except DataError as exc:
+        raise ConfigError(f"data: {exc}") from None
+    except MemoryError:
+        raise ConfigError(
+            f"data: not enough memory to build {d.name!r} with data.train_size={d.train_size}, "
+            f"data.val_size={d.val_size}, data.image_size={d.image_size}; make them smaller"
+        ) from None
+
+
+def _build_model(cfg: DictConfig, num_classes: int, device: Any) -> tuple[Any, Any, Any]:
+    m, o = cfg.model, cfg.optimizer
+    if m.num_classes is not None and m.num_classes != num_classes:
+        raise ConfigError(
+            f"model.num_classes={m.num_classes} but the dataset {cfg.data.name!r} has {num_classes} classes"
+        )
+    model = build_model(
+        m.name,
+        num_classes,
+        image_size=cfg.data.image_size,
+        cifar_stem=m.cifar_stem,
+        pretrained=m.pretrained,
+        **dict(to_dict(m.kwargs)),
+    )
+    optimizer = build_optimizer(
+        model,
+        o.name,
+        o.lr,
+        weight_decay=o.weight_decay,
+        momentum=o.momentum,
+        nesterov=o.nesterov,
+        betas=list(o.betas),
+        eps=o.eps,
+        impl=o.impl,
+        device=device,
+        kwargs=dict(to_dict(o.kwargs)),
+        layer_decay=o.layer_decay,
+        backbone_lr_scale=o.backbone_lr_scale,
+        head=list(o.head) if o.head is not None else None,
+    )
+    return model, optimizer, build_loss(cfg.loss.name, **dict(to_dict(cfg.loss.kwargs)))
