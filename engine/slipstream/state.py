@@ -126,15 +126,6 @@ class State:
     # Set by the trainer while processes share one clock (see tick).
     shared_clock: bool = False
 
-    @property
-    def autocast_dtype(self) -> torch.dtype | None:
-        """The former name of :attr:`compute_dtype`, kept for plugins that use it."""
-        return self.compute_dtype
-
-    @autocast_dtype.setter
-    def autocast_dtype(self, dtype: torch.dtype | None) -> None:
-        self.compute_dtype = dtype
-
     # -- model -----------------------------------------------------------------
 
     @property

@@ -104,7 +104,7 @@ def test_order_with_mixed_precision_bf16(tmp_path):
     # Explicit bf16: auto trains in fp32 on a CPU without bf16 units.
     trainer, seen = run(tmp_path, [clip(max_norm=1e-3), mp_cls(plugin_config(mp_cls, {"dtype": "bf16"}))])
     assert [a.name for a in trainer.algorithms] == ["mixed_precision", "grad_clipping", "probe"]
-    assert trainer.state.autocast_dtype == torch.bfloat16
+    assert trainer.state.compute_dtype == torch.bfloat16
     assert all(s["norm"] <= 1e-3 * (1 + 1e-4) for s in seen)
 
 

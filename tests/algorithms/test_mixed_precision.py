@@ -75,7 +75,7 @@ def test_autocast_bf16_inside_forward_and_eval_fp32_loss(tmp_path):
     assert seen["conv"] == {torch.bfloat16}
     assert seen["loss"] == {torch.float32}  # backward gets an fp32 loss
     assert seen["eval"] == {torch.bfloat16}  # evaluation runs under autocast too
-    assert trainer.state.autocast_dtype == torch.bfloat16
+    assert trainer.state.compute_dtype == torch.bfloat16
     assert trainer.summary["autocast_dtype"] == "bf16"
     # Weights stay fp32 (autocast casts copies).
     assert all(p.dtype == torch.float32 for p in trainer.state.model.parameters())
@@ -85,7 +85,7 @@ def test_full_precision_without_plugin(tmp_path):
     probe, seen = dtype_probe()
     trainer = train(tmp_path, [probe], max_duration="2ba")
     assert seen["outputs"] == seen["conv"] == seen["loss"] == seen["eval"] == {torch.float32}
-    assert trainer.state.autocast_dtype is None
+    assert trainer.state.compute_dtype is None
 
 
 def _epoch_losses(algos, tmp_path, epochs=4):
@@ -194,7 +194,7 @@ def test_fp16_scaler_unscales_before_later_plugins_and_counts_skips(tmp_path):
     trainer = train(tmp_path, [probe, mp], model=small_model(), max_duration="2ep",
                     eval_interval=None, checkpoint_interval=None)
     assert [a.name for a in trainer.algorithms] == ["mixed_precision", "probe"]
-    assert trainer.state.autocast_dtype == torch.float16
+    assert trainer.state.compute_dtype == torch.float16
     assert all(r["dtype"] == torch.float16 for r in record)
     assert [i for i, r in enumerate(record) if r["skipped"]] == sorted(OVERFLOW_AT)
     for r in record:
@@ -298,7 +298,7 @@ def test_auto_follows_the_cpus_bf16_units(tmp_path, cpu_kind):
         # Emulated bf16 would be many times slower than fp32: auto trains in fp32, says so.
         assert seen["conv"] == seen["outputs"] == seen["eval"] == {torch.float32}
         assert trainer.summary["autocast_dtype"] == "fp32"
-        assert trainer.state.autocast_dtype is None
+        assert trainer.state.compute_dtype is None
         assert len(told) == 1 and f"this CPU ({cpu_kind})" in told[0]
 
 

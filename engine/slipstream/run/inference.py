@@ -31,7 +31,6 @@ from slipstream.run.checkpoint import (
     load_checkpoint,
     select_weights,
     weight_problems,
-    weights_in,
 )
 from slipstream.run.directory import atomic_write_text, fsync_dir, strict_json, write_failure
 
@@ -546,8 +545,3 @@ def _floats(value: Any) -> list[float] | None:
     if value is None:
         return None
     return [float(v) for v in torch.as_tensor(value).flatten().tolist()]
-
-
-def weights_available(checkpoint: str | Path) -> list[str]:
-    """The weights ``checkpoint`` holds: ``model`` and those of its plugins."""
-    return weights_in(load_checkpoint(checkpoint))

@@ -32,7 +32,9 @@ from slipstream.services.utilization import Utilization
 from slipstream.state import State
 
 
-class SummaryWriter:
+class RunSummary:
+    """Writes the run's ``summary.json`` (not torch's ``SummaryWriter``)."""
+
     name = "engine.summary"
 
     def __init__(
@@ -198,3 +200,7 @@ def _records(path: Path) -> list[dict[str, Any]]:
 def _num(value: Any) -> float | None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return float(value) if ok else None
+
+
+# The former name, importable until every caller says RunSummary.
+SummaryWriter = RunSummary
