@@ -1,11 +1,11 @@
-"""The run-level settings, defined once, and one run set-up for the CLI and the Python API.
+"""The run-level settings, defined once and validated once.
 
 :class:`TrainerOptions` declares every setting the Trainer takes (its default, what it
 is, the type of its YAML value); the config's ``trainer`` section
-(:func:`config_dataclass`) and the Trainer's keywords follow from it. The CLI builds
-the options from ``cfg.trainer`` and the Trainer from its keywords; both go through
-:meth:`TrainerOptions.validate`, and :func:`apply_process_settings` applies threads
-and determinism once, so a run set up either way validates, normalises and seeds the same.
+(:func:`config_dataclass`) and the Trainer's keywords follow from it. The CLI's
+config builds the options from ``cfg.trainer`` and a Trainer made in Python from its
+keywords; either way :meth:`TrainerOptions.validate` checks them once, and
+:mod:`slipstream.run.process` applies them.
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import random
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -241,6 +239,9 @@ class TrainerOptions:
         AUTO, "auto | (mean, std) | None: inputs normalised on the device", api_only=True
     )
     verbose: bool = setting(True, "print notes and choices to stderr", api_only=True)
+    # Set by validate(): the command line's options come validated by its config, and a
+    # Trainer given them does not check them again.
+    validated: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, trainer: Mapping[str, Any], **extra: Any) -> TrainerOptions:
@@ -296,6 +297,7 @@ class TrainerOptions:
         if self.run_dir is not None:
             check_output_dir(Path(self.run_dir), f"{prefix}run_dir")
         self._check_loading(prefix)
+        self.validated = True
         return self
 
     def _check_loading(self, prefix: str) -> None:
@@ -529,35 +531,3 @@ def resolve_normalize(
             "pass normalize=(mean, std), or normalize=None to say so"
         )
     return stats, None
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (every device) from one number."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def apply_process_settings(options: TrainerOptions, device: torch.device | None = None) -> None:
-    """Threads and determinism: the process-wide settings a run makes, once per
-    options (the CLI applies them before it builds data and model; the Trainer
-    applies those it is given unless they were). Seeding is not here: each of
-    them seeds what it is about to build (:func:`seed_everything`)."""
-    if getattr(options, "_applied", False):
-        return
-    options._applied = True  # type: ignore[attr-defined]
-    if options.threads is not None:
-        torch.set_num_threads(options.threads)
-    if options.deterministic:
-        if device is not None and device.type == "cuda":
-            # cuBLAS is deterministic only with a fixed workspace; set it before the
-            # first cuBLAS call, unless the user chose one.
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            # torch flags adaptive average pooling's CUDA backward as nondeterministic and
-            # would refuse every timm and torchvision CNN (their global pool) at the first
-            # step; at a 1x1 output its atomic adds never meet, so the result is exact.
-            # torch still warns, naming any op that has no deterministic kernel.
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        else:
-            # Only switched on: turning it off here would undo a user's own global choice.
-            torch.use_deterministic_algorithms(True)
