@@ -456,7 +456,7 @@ PHASES = {
     "FLOP count for MFU (per input size)": ("slipstream.services.utilization", None, "training_flops_per_sample"),
     "run directory (config.yaml, metrics log)": ("slipstream.trainer", None, "prepare_run_dir"),
     "summary.json": ("slipstream.services.summary", "RunSummary", "_write"),
-    "measured auto (none to measure here)": ("slipstream.trainer", "Trainer", "_choose_variants"),
+    "measured auto (none to measure here)": ("slipstream.trainer", None, "choose_run_variants"),
     "hooks bound": ("slipstream.trainer", "Trainer", "_bind_hooks"),
     "all of fit(), its one step included": ("slipstream.trainer", "Trainer", "fit"),
 }
