@@ -51,11 +51,11 @@ bench: $(STAMP)
 # The wheels the bare, offline GPU machine lacks (omegaconf, kornia, ...), for its
 # Python 3.12 on manylinux x86-64, into .gpu-wheels/ (git-ignored; carry it). docs/gpu.md.
 gpu-wheels: $(STAMP)
-	$(BIN)/python benchmarks/gpu_wheels.py $(ARGS)
+	$(BIN)/python tools/gpu_wheels.py $(ARGS)
 
-# On the GPU machine: bash benchmarks/gpu_check.sh. Here: its dry run at toy size on the CPU.
+# On the GPU machine: bash tools/gpu_check.sh. Here: its dry run at toy size on the CPU.
 gpu-check: $(STAMP)
-	bash benchmarks/gpu_check.sh --dry-run
+	bash tools/gpu_check.sh --dry-run
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

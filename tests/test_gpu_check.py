@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh: its dry run (the device check's steps at toy size on the
+"""tools/gpu_check.sh: its dry run (the device check's steps at toy size on the
 CPU) installs the engine offline, runs the pair and writes the report; a missing
 prerequisite is one line and exit 2; a bad argument is refused."""
 
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+SCRIPT = ROOT / "tools" / "gpu_check.sh"
 
 
 def _gpu_check_module():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,8 +1,8 @@
-"""The Python steps of benchmarks/gpu_check.sh (run them through that script).
+"""The Python steps of tools/gpu_check.sh (run them through that script).
 
-    python3 benchmarks/gpu_check.py prereq --wheels DIR [--dry-run]
-    python3 benchmarks/gpu_check.py site SITE
-    python3 benchmarks/gpu_check.py report --out OUT --work WORK [--dry-run]
+    python3 tools/gpu_check.py prereq --wheels DIR [--dry-run]
+    python3 tools/gpu_check.py site SITE
+    python3 tools/gpu_check.py report --out OUT --work WORK [--dry-run]
 
 ``prereq`` checks what the device machine must have and prints one line: what is
 there, or what is missing (exit 2). ``site`` installs the engine and every plugin of

@@ -12,8 +12,8 @@
 #   6. writes gpu_check.json and gpu_check.txt (and the logs) to $OUT.
 # Every step has a time limit; together they end within 8 minutes on an H100.
 #
-#   bash benchmarks/gpu_check.sh             on the GPU machine (python3, or $PYTHON)
-#   bash benchmarks/gpu_check.sh --dry-run   here: the same steps at toy size on the CPU
+#   bash tools/gpu_check.sh             on the GPU machine (python3, or $PYTHON)
+#   bash tools/gpu_check.sh --dry-run   here: the same steps at toy size on the CPU
 #                                            (.venv/bin/python; the CUDA tests skip)
 # docs/gpu.md says how to prepare, run and read it.
 set -u
@@ -51,7 +51,7 @@ step() {
     fi
     echo "gpu_check: $name (limit ${limit} s)"
     # Each line of the log led by its second: where a step's time goes shows there.
-    timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | "$PYTHON" -u benchmarks/gpu_check.py stamp >"$WORK/$name.log"
+    timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | "$PYTHON" -u tools/gpu_check.py stamp >"$WORK/$name.log"
     rc=${PIPESTATUS[0]}
     printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - started))" >>"$WORK/steps.tsv"
     if [[ $rc != 0 ]]; then
@@ -62,7 +62,7 @@ step() {
 }
 
 # 1. Prerequisites, one line either way.
-"$PYTHON" benchmarks/gpu_check.py prereq --wheels "$WHEELS" "${DRYFLAG[@]}" || exit 2
+"$PYTHON" tools/gpu_check.py prereq --wheels "$WHEELS" "${DRYFLAG[@]}" || exit 2
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 if [[ -z "${OUT:-}" ]]; then OUT="$WORK/out"; fi
@@ -90,9 +90,9 @@ install() {
     else
         echo "no wheels to install (this Python has what they carry)"
     fi
-    "$PYTHON" benchmarks/gpu_check.py site "$SITE" || return 1
+    "$PYTHON" tools/gpu_check.py site "$SITE" || return 1
     # Here every algorithm is imported; the dry run only finds their modules (seconds).
-    PYTHONPATH="$SITE" "$PYTHON" benchmarks/gpu_check.py verify "$SITE" $([[ $DRY == 1 ]] && echo --no-load)
+    PYTHONPATH="$SITE" "$PYTHON" tools/gpu_check.py verify "$SITE" $([[ $DRY == 1 ]] && echo --no-load)
 }
 export -f install
 export WHEELS DRY PYTHON SITE
@@ -129,9 +129,9 @@ COMPILE=(--algorithms torch_compile)
 if [[ "${GPU_CHECK_COMPILE:-1}" == 0 ]]; then COMPILE=() FAST_EXTRA=(); fi
 # `gpu_check.py train` is `slipstream train` that stamps its time outside the run and,
 # 8 s before the limit, writes every thread's stack to the log.
-step baseline 100 "$PYTHON" benchmarks/gpu_check.py train --dump-after 92 --recipe resnet18_baseline "${COMMON[@]}" \
+step baseline 100 "$PYTHON" tools/gpu_check.py train --dump-after 92 --recipe resnet18_baseline "${COMMON[@]}" \
     trainer.max_duration="${BASE_EPOCHS}ep" trainer.run_dir="$WORK/baseline"
-step fast 120 "$PYTHON" benchmarks/gpu_check.py train --dump-after 112 --recipe resnet18_fast "${COMPILE[@]}" "${COMMON[@]}" \
+step fast 120 "$PYTHON" tools/gpu_check.py train --dump-after 112 --recipe resnet18_fast "${COMPILE[@]}" "${COMMON[@]}" \
     algorithms.mixed_precision.dtype=bf16 "${FAST_EXTRA[@]}" \
     trainer.max_duration="${FAST_EPOCHS}ep" trainer.run_dir="$WORK/fast"
 
@@ -146,7 +146,7 @@ fi
 step plain_loop 60 "$PYTHON" benchmarks/bench_plain_loop.py "${PLAIN[@]}" --engine
 
 # 6. The report, and the logs beside it (at most 8 files come back from $OUT).
-"$PYTHON" benchmarks/gpu_check.py report --out "$OUT" --work "$WORK" "${DRYFLAG[@]}" || exit 1
+"$PYTHON" tools/gpu_check.py report --out "$OUT" --work "$WORK" "${DRYFLAG[@]}" || exit 1
 for f in install cuda_tests baseline fast plain_loop; do [[ -f "$WORK/$f.log" ]] && cp "$WORK/$f.log" "$OUT/$f.log"; done
 [[ -f "$WORK/cuda_tests.xml" ]] && cp "$WORK/cuda_tests.xml" "$OUT/"
 echo "gpu_check: report in $OUT/gpu_check.txt and $OUT/gpu_check.json (work files in $WORK)"

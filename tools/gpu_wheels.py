@@ -9,7 +9,7 @@ turn, read from each wheel's metadata. A dependency published only as a source
 distribution is built here into a wheel with ``pip wheel`` (only pure-Python ones are
 accepted). The folder is git-ignored; name it in the device call's ``carry``.
 
-    .venv/bin/python benchmarks/gpu_wheels.py [--dest .gpu-wheels] [--sweep]
+    .venv/bin/python tools/gpu_wheels.py [--dest .gpu-wheels] [--sweep]
 """
 
 from __future__ import annotations
