@@ -22,9 +22,9 @@ from typing import Optional
 
 import numpy as np
 import torch
-from slipstream_mixup import draw_lambda, mix_targets, resolve_num_classes
+from slipstream_mixup import BatchMixing, draw_lambda, mix_targets
 
-from slipstream import Algorithm, State, batch_seed, check_plugin_options, hookimpl, plugin_option
+from slipstream import check_plugin_options, plugin_option
 
 Box = tuple[int, int, int, int]  # top, bottom, left, right (bottom/right exclusive)
 
@@ -103,38 +103,18 @@ def cutmix_batch(
     return out, mix_targets(targets, num_classes, lam), lam
 
 
-class Cutmix(Algorithm):
+class Cutmix(BatchMixing):
     """CutMix: paste a box of another image into each one and mix the labels by area."""
 
     name = "cutmix"
     config_class = CutmixConfig
-    # Cut from the final training images: after resizing and per-sample augmentation.
-    runs_after = ("image_size_curriculum", "gpu_augmentation")
     # Both replace the batch and its targets at batch_start: the second would mix
     # already-mixed soft targets. timm's Mixup switches between them per batch instead.
     conflicts_with = {"mixup": "both mix every batch and its labels; the second would mix mixed labels"}
 
-    def __init__(self, config: CutmixConfig | None = None) -> None:
-        super().__init__(config)
-        self.num_classes = 0
-
-    @hookimpl
-    def init(self, state: State) -> None:
-        # Checked here, before the run directory is written; fit_start takes the
-        # value once every plugin's init has shaped the model.
-        resolve_num_classes(self.name, state, self.config.num_classes)
-
-    @hookimpl
-    def fit_start(self, state: State) -> None:
-        self.num_classes = resolve_num_classes(self.name, state, self.config.num_classes)
-
-    @hookimpl
-    def batch_start(self, state: State) -> None:
-        # Training batches only: evaluation fires eval_batch_start, left alone.
-        rng = np.random.default_rng(batch_seed(state.seed, state.rank, state.timestamp.batch, self.name))
-        if rng.random() >= self.config.prob:
-            return
-        inputs, targets, *rest = state.batch
+    def mix(
+        self, inputs: torch.Tensor, targets: torch.Tensor, rng: np.random.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         mixed, soft, _ = cutmix_batch(inputs, targets, self.num_classes, c.alpha, rng, c.minmax)
-        state.batch = (mixed, soft, *rest)
+        return mixed, soft

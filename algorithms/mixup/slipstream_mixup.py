@@ -19,7 +19,7 @@ batches, and a run resumed mid-epoch continues exactly, with nothing to checkpoi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -133,19 +133,15 @@ def resolve_num_classes(name: str, state: State, configured: int | None) -> int:
     return num_classes
 
 
-class Mixup(Algorithm):
-    """MixUp: train on convex combinations of image pairs and their one-hot labels."""
+class BatchMixing(Algorithm):
+    """What MixUp and CutMix share: at ``batch_start``, with probability
+    ``config.prob``, the training batch and its labels become :meth:`mix`'s, drawn
+    from a generator seeded per batch; the class count is checked at ``init``."""
 
-    name = "mixup"
-    config_class = MixupConfig
     # Mix the final training images: after resizing and per-sample augmentation.
     runs_after = ("image_size_curriculum", "gpu_augmentation")
-    # One mixing per batch: both at once would mix twice (see the card).
-    # Both replace the batch and its targets at batch_start: the second would mix
-    # already-mixed soft targets. timm's Mixup switches between them per batch instead.
-    conflicts_with = {"cutmix": "both mix every batch and its labels; the second would mix mixed labels"}
 
-    def __init__(self, config: MixupConfig | None = None) -> None:
+    def __init__(self, config: Any = None) -> None:
         super().__init__(config)
         self.num_classes = 0
 
@@ -166,6 +162,29 @@ class Mixup(Algorithm):
         if rng.random() >= self.config.prob:
             return
         inputs, targets, *rest = state.batch
-        mixed, soft, _ = mixup_batch(inputs, targets, self.num_classes, self.config.alpha, rng)
+        mixed, soft = self.mix(inputs, targets, rng)
         state.batch = (mixed, soft, *rest)
+
+    def mix(
+        self, inputs: torch.Tensor, targets: torch.Tensor, rng: np.random.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixed batch and its soft targets ``(N, num_classes)``."""
+        raise NotImplementedError
+
+
+class Mixup(BatchMixing):
+    """MixUp: train on convex combinations of image pairs and their one-hot labels."""
+
+    name = "mixup"
+    config_class = MixupConfig
+    # One mixing per batch: both at once would mix twice (see the card).
+    # Both replace the batch and its targets at batch_start: the second would mix
+    # already-mixed soft targets. timm's Mixup switches between them per batch instead.
+    conflicts_with = {"cutmix": "both mix every batch and its labels; the second would mix mixed labels"}
+
+    def mix(
+        self, inputs: torch.Tensor, targets: torch.Tensor, rng: np.random.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        mixed, soft, _ = mixup_batch(inputs, targets, self.num_classes, self.config.alpha, rng)
+        return mixed, soft
 
