@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from slipstream.run.build import build_trainer
 from slipstream.config.schema import build_config
 from slipstream.duration import Duration
 from slipstream.plugins.variants import cache_path
+from slipstream.run.build import build_trainer
 from slipstream.services.cpu_kind import describe_cpu_kind, native_bf16
 from slipstream.services.peak_flops import device_label
 

@@ -37,8 +37,8 @@ from torchvision.transforms import v2
 
 from common import StepClock, compare, parser, random_loader, report
 from slipstream import Algorithm, hookimpl
-from slipstream.run.build import build_trainer
 from slipstream.config.schema import build_config
+from slipstream.run.build import build_trainer
 
 
 class Augmented(Dataset):

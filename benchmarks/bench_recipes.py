@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from slipstream.cli.main import exit_code, user_error_message
-from slipstream.run.build import build_trainer
 from slipstream.config.schema import build_config
+from slipstream.run.build import build_trainer
 from slipstream.run.results import compare_runs, compare_runs_json, load_run, time_to_accuracy
 
 # A smoke run: every recipe for a couple of epochs on a tenth of the data.

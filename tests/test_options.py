@@ -15,10 +15,10 @@ from torch.utils.data import DataLoader
 
 from helpers import Probe, tiny_loaders, tiny_model, train
 from slipstream import ConfigError, Trainer, to_unit_float
-from slipstream.run.build import build_trainer
 from slipstream.config.options import TrainerOptions
 from slipstream.config.schema import build_config
 from slipstream.data import DATASET_STATS, SyntheticShapes
+from slipstream.run.build import build_trainer
 
 README = Path(__file__).parents[1] / "README.md"
 
@@ -235,13 +235,36 @@ def test_one_train_validates_the_trainer_settings_once_and_reads_its_checkpoint_
 
     validated, read = [], []
     validate, load = TrainerOptions.validate, checkpoint.load_checkpoint
-    monkeypatch.setattr(TrainerOptions, "validate", lambda self, prefix="": validated.append(prefix) or validate(self, prefix))
-    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path, *a, **k: read.append(Path(path).name) or load(path, *a, **k))
+    monkeypatch.setattr(
+        TrainerOptions, "validate", lambda self, prefix="": validated.append(prefix) or validate(self, prefix)
+    )
+    monkeypatch.setattr(
+        checkpoint, "load_checkpoint", lambda path, *a, **k: read.append(Path(path).name) or load(path, *a, **k)
+    )
     run = ["train", "-q", "model.name=test_resnet", "data.train_size=32", "data.val_size=16", "data.image_size=16",
-           "data.batch_size=8", "trainer.checkpoint_interval=2ba", "trainer.autoresume=true", "trainer.eval_interval=null",
-           "trainer.autotune=false", f"trainer.run_dir={tmp_path / 'run'}"]  # fmt: skip
+           "data.batch_size=8", "trainer.checkpoint_interval=2ba", "trainer.autoresume=true",
+           "trainer.eval_interval=null", "trainer.autotune=false", f"trainer.run_dir={tmp_path / 'run'}"]  # fmt: skip
     assert main([*run, "trainer.max_duration=2ba"]) == 0
     assert validated == ["trainer."] and read == []
     validated.clear()
     assert main([*run, "trainer.max_duration=4ba"]) == 0  # continues from latest.pt
     assert validated == ["trainer."] and read == ["latest.pt"]
+
+
+def test_one_train_reads_each_plugin_group_once(tmp_path, monkeypatch):
+    """Issue 40: the config, the plugins and the data each discovered the installed
+    plugins again (the datasets four times per `slipstream train`)."""
+    from collections import Counter
+
+    from slipstream.cli.main import main
+    from slipstream.plugins import discovery
+
+    read, entry_points = Counter(), discovery._entry_points
+    monkeypatch.setattr(
+        discovery, "_entry_points",
+        lambda group, base: read.update([group]) or entry_points(group, base)
+    )
+    assert main(["train", "-q", "--algorithms", "ema", "--callbacks", "early_stopping", "model.name=test_resnet",
+                 "data.train_size=32", "data.val_size=16", "data.image_size=16", "data.batch_size=8",
+                 "trainer.max_duration=1ba", "trainer.autotune=false", f"trainer.run_dir={tmp_path}"]) == 0  # fmt: skip
+    assert read == {"slipstream.algorithms": 1, "slipstream.callbacks": 1, "slipstream.datasets": 1}

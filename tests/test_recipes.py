@@ -6,9 +6,9 @@ import warnings
 
 import pytest
 
-from slipstream.run.build import build_trainer
 from slipstream.config.recipes import bundled
 from slipstream.config.schema import build_config
+from slipstream.run.build import build_trainer
 
 
 @pytest.mark.parametrize("name", sorted(bundled()))

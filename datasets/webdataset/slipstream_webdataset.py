@@ -453,7 +453,8 @@ def convert_imagefolder(src: str, out: str, *, shard_size: int, progress: bool =
         last = shards - 1
         result["urls" if split == "train" else "eval_urls"] = str(out_dir / f"{split}-{{000000..{last:06d}}}.tar")
     bar.close()
-    from slipstream.run.directory import atomic_write_text
-
-    atomic_write_text(out_dir / "classes.json", json.dumps(next(iter(plan.values()))[1]) + "\n")
+    # Written whole or not at all: a reader never finds half a class list.
+    partial = out_dir / ".classes.json.partial"
+    partial.write_text(json.dumps(next(iter(plan.values()))[1]) + "\n")
+    os.replace(partial, out_dir / "classes.json")
     return result

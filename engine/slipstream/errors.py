@@ -65,7 +65,14 @@ def describe(exc: BaseException) -> str:
     return text[:300] if text else type(exc).__name__
 
 
-def _chain(exc: BaseException) -> Iterable[BaseException]:
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def exception_chain(exc: BaseException) -> Iterable[BaseException]:
+    """``exc`` and the exceptions it was raised from or during, each once."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
@@ -101,7 +108,7 @@ def network_failure(exc: BaseException) -> BaseException | None:
         kinds += [httpx.TransportError]
     except ImportError:
         pass
-    for link in _chain(exc):
+    for link in exception_chain(exc):
         if isinstance(link, BrokenPipeError):
             return None  # a reader that went away (`slipstream ... | head`), not the network
         if isinstance(link, tuple(kinds)):

@@ -40,15 +40,14 @@ from slipstream.plugins.registry import Registry
 from slipstream.plugins.variants import choose_run_variants
 from slipstream.run.assembly import assemble, check_hooks
 from slipstream.run.checkpoint import checkpoint_payload, find_start, resume, written_in
-from slipstream.run.checks import (
+from slipstream.run.directory import RunDir, choose_run_dir, prepare_run_dir
+from slipstream.run.preflight import (
     batches_per_epoch,
     check_arguments,
     check_run,
-    check_scheduler_interval,
     checked_schedulers,
     why_no_batches,
 )
-from slipstream.run.directory import RunDir, choose_run_dir, prepare_run_dir
 from slipstream.run.process import Process, seed_everything, set_up_process
 from slipstream.services.batches import batch_mover, check_pair
 from slipstream.services.summary import resume_summary
@@ -109,7 +108,6 @@ class Trainer:
         callbacks: Sequence[Callback | str] = (),
         loss_fn: Callable[..., torch.Tensor] | None = None,
         schedulers: Sequence[Any] = (),
-        scheduler_interval: str = "epoch",
         config: dict[str, Any] | None = None,
         installed: dict[str, PluginInfo] | Registry | None = None,
         options: TrainerOptions | None = None,
@@ -118,7 +116,6 @@ class Trainer:
     ) -> None:
         check_arguments(model, optimizer, train_data, eval_data, loss_fn)
         schedulers = checked_schedulers(schedulers, optimizer)
-        check_scheduler_interval(scheduler_interval)
         self.options = o = _options(options, settings, max_duration=max_duration, run_dir=run_dir)
         # The command line hands over the process it set up before building data and
         # model; a Trainer made in Python sets it up here.
@@ -148,8 +145,8 @@ class Trainer:
                   warn=rank == 0)  # fmt: skip
         # Stepped by the loop, not a plugin: the optimizer's LR must have moved before
         # any epoch_end or batch_end hook (a checkpoint) sees the schedulers' state.
-        self._epoch_schedulers = list(schedulers) if scheduler_interval == "epoch" else []
-        self._batch_schedulers = list(schedulers) if scheduler_interval == "batch" else []
+        self._epoch_schedulers = list(schedulers) if o.scheduler_interval == "epoch" else []
+        self._batch_schedulers = list(schedulers) if o.scheduler_interval == "batch" else []
         self.state = State(
             model=model.to(self.device),
             optimizer=optimizer,

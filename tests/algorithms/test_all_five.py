@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from helpers import Probe
-from slipstream.run.build import build_trainer
 from slipstream.config.schema import build_config
+from slipstream.run.build import build_trainer
 
 FIVE = "mixed_precision,channels_last,stepwise_lr,image_size_curriculum,gpu_augmentation"
 TINY = [

@@ -18,8 +18,8 @@ from slipstream_gpu_augmentation import (
 from torch.profiler import ProfilerActivity, profile
 
 from helpers import Probe
-from slipstream.run.build import build_trainer
 from slipstream.config.schema import build_config
+from slipstream.run.build import build_trainer
 from slipstream.services.batches import batch_mover
 
 pytestmark = CUDA

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slipstream.errors import ConfigError, SlipstreamError
+from slipstream.errors import ConfigError, SlipstreamError, first_line
 from slipstream.hookspecs import hookimpl
 from slipstream.plugins.algorithm import Algorithm
 from slipstream.plugins.discovery import discover, plugin_config
@@ -255,7 +255,7 @@ def load_file_plugin(spec: str) -> type[Algorithm]:
         spec_obj.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # a plugin's import may fail in any way
         sys.modules.pop(module_name, None)
-        raise ConfigError(f"--add {spec!r}: {path} does not load: {type(exc).__name__}: {_first_line(exc)}") from None
+        raise ConfigError(f"--add {spec!r}: {path} does not load: {type(exc).__name__}: {_told(exc)}") from None
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise ConfigError(f"--add {spec!r}: {attr} is not a slipstream.Algorithm subclass")
@@ -471,14 +471,14 @@ def check_combo(
     try:
         seen = train_once(combo, classes, run_dir, settings=settings, rank=rank, world_size=world_size)
     except SlipstreamError as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        reason = first_line(exc)
         if (run_dir / "summary.json").exists():  # the run began: an error of a plugin's, mid-run
-            return Cell("failed", _first_line(exc, named=True), _since(started))
+            return Cell("failed", _told(exc, named=True), _since(started))
         if run_dir.exists() and any(run_dir.iterdir()):
             return Cell("failed", f"refused after writing {run_dir.name}: {reason}", _since(started))
         return Cell("refused", reason, _since(started))
     except Exception as exc:  # any crash is a finding, reported in its cell
-        return Cell("failed", _first_line(exc, named=True), _since(started))
+        return Cell("failed", _told(exc, named=True), _since(started))
     status = seen.summary.get("status")
     if status != "completed":
         return Cell("failed", f"status {status!r} after {seen.batches} batches", _since(started))
@@ -498,7 +498,7 @@ def check_combo(
             again_seen = train_once(combo, classes, resumed_dir, settings=settings,
                                     load=_mid_checkpoint(run_dir), rank=rank, world_size=world_size)
         except Exception as exc:
-            return Cell("failed", f"resume: {_first_line(exc, named=True)}", _since(started))
+            return Cell("failed", f"resume: {_told(exc, named=True)}", _since(started))
         if rank == 0:
             if world_size == 1:
                 straight, again = seen.final, again_seen.final
@@ -520,11 +520,10 @@ def _since(start: float) -> float:
     return round(time.perf_counter() - start, 2)
 
 
-def _first_line(exc: BaseException, named: bool = False) -> str:
+def _told(exc: BaseException, named: bool = False) -> str:
     """The first line of ``exc``'s message; ``named``: as ``TYPE: message`` (a
     SlipstreamError as its message), after the plugin and hook that raised it."""
-    text = str(exc).strip()
-    line = text.splitlines()[0] if text else type(exc).__name__
+    text, line = str(exc).strip(), first_line(exc)
     if named:
         where = raised_in(exc)
         line = line if isinstance(exc, SlipstreamError) and text else f"{type(exc).__name__}: {line}"

@@ -33,6 +33,8 @@ from typing import Any
 from slipstream.errors import (
     ConfigError,
     ConfigWarning,
+    DataError,
+    ResultsError,
     SlipstreamError,
     describe,
     describe_os_error,
@@ -324,8 +326,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("always", ConfigWarning)
         warnings.showwarning = _show_warning(warnings.showwarning)
+        from slipstream.plugins.discovery import discovered_once
+
         try:
-            return _COMMANDS[args.command](args)
+            with discovered_once():  # each plugin group read once per command
+                return _COMMANDS[args.command](args)
         except KeyboardInterrupt as exc:
             print(f"slipstream: {str(exc) or 'interrupted'}", file=sys.stderr)
             return 128 + getattr(exc, "signum", signal.SIGINT)
@@ -356,6 +361,9 @@ class _Joined(argparse.Action):
 
 def user_error_message(exc: BaseException) -> str | None:
     """The one-line message for an error a user can act on, or None for a bug."""
+    if isinstance(exc, (DataError, ResultsError)):
+        # Their text may come from a loader's worker, with that worker's traceback in it.
+        return describe(exc)
     if isinstance(exc, SlipstreamError):
         return str(exc)
     if network_failure(exc) is not None:
@@ -365,29 +373,7 @@ def user_error_message(exc: BaseException) -> str | None:
         )
     if isinstance(exc, OSError):
         return describe_os_error(exc)
-    # data and results errors are ValueErrors with a clear message
-    if isinstance(exc, _data_or_results_errors()):
-        return describe(exc)
     return None
-
-
-def _data_or_results_errors() -> tuple[type[BaseException], ...]:
-    """``DataError`` and ``ResultsError``, each once its module is imported.
-
-    An error of either type can only exist once its module is loaded; importing one
-    that is not (torch and torchvision behind ``DataError``, matplotlib behind
-    ``ResultsError``) would only delay the message by seconds.
-    """
-    types: list[type[BaseException]] = []
-    if "slipstream.data.datasets" in sys.modules:
-        from slipstream.data.datasets import DataError
-
-        types.append(DataError)
-    if "slipstream.run.results" in sys.modules:
-        from slipstream.run.results import ResultsError
-
-        types.append(ResultsError)
-    return tuple(types)
 
 
 def _rank() -> int:
@@ -441,29 +427,26 @@ def _show_warning(default: Any) -> Any:
 
 def _train(args: argparse.Namespace) -> int:
     from slipstream.config.recipes import DEFAULT_RECIPE
-    from slipstream.config.schema import build_config
+    from slipstream.config.schema import build_run
 
     recipe = args.recipe or DEFAULT_RECIPE
-    cfg = build_config(recipe, args.algorithms, args.overrides, callbacks=args.callbacks)
+    quiet = ["trainer.progress_bar=false"] if args.quiet else []
+    spec = build_run(recipe, args.algorithms, [*args.overrides, *quiet], callbacks=args.callbacks)
     if args.nproc_per_node is not None:
-        return _launch(args, cfg)
+        return _launch(args, spec.config)
     if args.nnodes != 1 or args.node_rank or args.master_addr or args.master_port:
         raise ConfigError(
             "--nnodes, --node-rank, --master-addr and --master-port go with --nproc-per-node N"
         )
-    if args.quiet:
-        cfg.trainer.progress_bar = False
     # The config and its plugins are checked before torchvision and timm are imported
     # (3-4 s here): a misspelled key, algorithm or option is told without waiting for them.
-    from slipstream.plugins.discovery import discover
+    from slipstream.plugins.registry import Registry
 
-    installed = discover(load=False)
-    plugins = _plugins(cfg, installed)
-    from slipstream.cli.runner import build_trainer
+    registry = Registry()
+    plugins = _plugins(spec.config, registry)
+    from slipstream.run.build import build_trainer
 
-    trainer = build_trainer(
-        cfg, label=Path(recipe).stem, verbose=not args.quiet, installed=installed, plugins=plugins
-    )
+    trainer = build_trainer(spec, label=Path(recipe).stem, verbose=not args.quiet, installed=registry, plugins=plugins)
     try:
         summary = trainer.fit()
     except Exception as exc:
@@ -481,18 +464,18 @@ def _train(args: argparse.Namespace) -> int:
     return exit_code(summary)
 
 
-def _plugins(cfg: Any, installed: Any = None) -> tuple[list[Any], list[Any]]:
+def _plugins(cfg: Any, registry: Any) -> tuple[list[Any], list[Any]]:
     """The run's algorithms and callbacks, built and checked (imports only those named)."""
     from slipstream.config.schema import to_dict
-    from slipstream.plugins.discovery import build_plugins
+    from slipstream.plugins.discovery import CALLBACKS_GROUP
 
-    return build_plugins(dict(to_dict(cfg.algorithms)), dict(to_dict(cfg.callbacks)), installed)
+    return registry.build(to_dict(cfg.algorithms)), registry.build(to_dict(cfg.callbacks), CALLBACKS_GROUP)
 
 
 def _launch(args: argparse.Namespace, cfg: Any) -> int:
     """Validate what the workers would build, then start them (torch.distributed.run)."""
     from slipstream.cli.launch import LaunchOptions, launch
-    from slipstream.plugins.discovery import discover, resolve_order
+    from slipstream.plugins.registry import Registry
 
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
         raise ConfigError(
@@ -502,9 +485,9 @@ def _launch(args: argparse.Namespace, cfg: Any) -> int:
     options = LaunchOptions(
         args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr, args.master_port
     ).validate()
-    installed = discover(load=False)
-    algorithms, _ = _plugins(cfg, installed)
-    resolve_order(algorithms, installed=set(installed))
+    registry = Registry()
+    algorithms, callbacks = _plugins(cfg, registry)
+    registry.run_plugins(algorithms, callbacks)  # ordered and checked as the workers will
     passed = [*(["--recipe", args.recipe] if args.recipe else [])]
     passed += ["--algorithms", args.algorithms] if args.algorithms else []
     passed += ["--callbacks", args.callbacks] if args.callbacks else []
@@ -804,7 +787,7 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def _compatibility(args: argparse.Namespace) -> int:
-    from slipstream.plugins.compatibility import compatibility_command
+    from slipstream.cli.compatibility import compatibility_command
 
     return compatibility_command(
         out=args.out,

@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from slipstream.duration import Duration, DurationError
-from slipstream.errors import ConfigError, did_you_mean
+from slipstream.errors import ConfigError, did_you_mean, first_line
 
 # Free-form keyword mappings of the config (a model's, optimizer's or loss's constructor
 # arguments): a recipe or override gives one whole (`{}` replaces an inherited one), and
@@ -172,6 +172,9 @@ class DDPConfig:
     find_unused_parameters: bool = setting(False, "true when some parameters get no gradient in a step")
 
 
+SCHEDULER_INTERVALS = ("epoch", "batch")
+
+
 @dataclass
 class TrainerOptions:
     """Every run-level setting of a :class:`~slipstream.Trainer`: the one definition
@@ -239,6 +242,9 @@ class TrainerOptions:
         AUTO, "auto | (mean, std) | None: inputs normalised on the device", api_only=True
     )
     verbose: bool = setting(True, "print notes and choices to stderr", api_only=True)
+    # The loop steps a Trainer's torch LR schedulers (its schedulers=) at each epoch's end
+    # or after each optimizer step; a config schedules the LR with stepwise_lr instead.
+    scheduler_interval: str = setting("epoch", "epoch | batch: when schedulers= are stepped", api_only=True)
     # Set by validate(): the command line's options come validated by its config, and a
     # Trainer given them does not check them again.
     validated: ClassVar[bool] = False
@@ -248,7 +254,7 @@ class TrainerOptions:
         """The options in a config's ``trainer`` section (keys it does not name keep
         their defaults), with ``extra`` on top."""
         names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: _plain(v) for k, v in trainer.items() if k in names}
+        values = {k: plain(v) for k, v in trainer.items() if k in names}
         return cls(**{**values, **extra})
 
     @classmethod
@@ -296,6 +302,11 @@ class TrainerOptions:
         _integer(self.autotune_steps, f"{prefix}autotune_steps", 1, "timed steps per combination")
         if self.run_dir is not None:
             check_output_dir(Path(self.run_dir), f"{prefix}run_dir")
+        if self.scheduler_interval not in SCHEDULER_INTERVALS:
+            raise ConfigError(
+                f"Trainer: scheduler_interval must be one of {', '.join(SCHEDULER_INTERVALS)}, "
+                f"got {self.scheduler_interval!r}"
+            )
         self._check_loading(prefix)
         self.validated = True
         return self
@@ -371,9 +382,22 @@ class TrainerOptions:
 DDP_OPTIONS = {f.name: f.metadata["help"] for f in dataclasses.fields(DDPConfig)}
 
 
-def _plain(value: Any) -> Any:
-    """A config section's value as plain Python (omegaconf's containers as dict/list)."""
-    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+def plain(value: Any) -> Any:
+    """A config's value as plain Python: omegaconf's containers and any mapping as
+    dicts with string keys, sequences as lists, recursively."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value)
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def omegaconf_problem(exc: Exception) -> tuple[str, str]:
+    """``(key, first line of the message)`` of one of omegaconf's errors."""
+    key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
+    return str(key), first_line(exc)
 
 
 def check_ddp_options(options: Mapping[str, Any] | None, key: str = "ddp") -> dict[str, Any]:

@@ -18,7 +18,14 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from slipstream.config.options import INT64, KEYWORD_MAPPINGS, TrainerOptions, config_dataclass
+from slipstream.config.options import (
+    INT64,
+    KEYWORD_MAPPINGS,
+    TrainerOptions,
+    config_dataclass,
+    omegaconf_problem,
+    plain,
+)
 from slipstream.config.recipes import find_recipe
 from slipstream.data.sources import READ_BY_SOME, DataConfig, dataset_class, readers, reads
 from slipstream.duration import Duration
@@ -256,7 +263,7 @@ def check_data(cfg: DictConfig) -> None:
     valid; a key only another dataset reads is an error naming the chosen one."""
     from slipstream.data.sources import build_dataset_plugin
 
-    build_dataset_plugin(_plain(cfg.data))
+    build_dataset_plugin(plain(cfg.data))
 
 
 def parse_algorithm_list(text: str) -> tuple[list[str], list[str]]:
@@ -321,6 +328,15 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return OmegaConf.to_container(merged)  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class RunSpec:
+    """A run as its configuration says it: the resolved config and its trainer
+    settings, validated (once, here)."""
+
+    config: DictConfig
+    options: TrainerOptions
+
+
 def build_config(
     recipe: str | Path | None = None,
     algorithms: str | None = None,
@@ -331,6 +347,17 @@ def build_config(
     """Resolve a run's configuration in the documented merge order. ``base`` (a
     checkpoint's config, for eval and export) goes under the recipe; keys this
     version does not know are dropped from it."""
+    return build_run(recipe, algorithms, overrides, callbacks, base).config
+
+
+def build_run(
+    recipe: str | Path | None = None,
+    algorithms: str | None = None,
+    overrides: list[str] | None = None,
+    callbacks: str | None = None,
+    base: dict[str, Any] | None = None,
+) -> RunSpec:
+    """:func:`build_config`, with the trainer settings it validated."""
     merged = OmegaConf.structured(RunConfig)
     # The chosen dataset plugin's own keys join the data section (checked in validate).
     OmegaConf.set_struct(merged.data, False)
@@ -359,9 +386,9 @@ def build_config(
     for section, plugins in chosen.items():
         merged[section] = plugins
     _resolve_interpolations(merged)
-    validate(merged)
+    options = validate(merged)
     warn_no_ops(merged)
-    return merged
+    return RunSpec(merged, options)
 
 
 def _command_line_data(merged: DictConfig, over: dict[str, Any]) -> None:
@@ -462,8 +489,7 @@ def _resolve_interpolations(cfg: DictConfig) -> None:
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "?"
-        message = str(exc).strip().splitlines()[0]
+        key, message = omegaconf_problem(exc)
         raise ConfigError(
             f"{key}: cannot resolve its interpolation ({message}); ${{a.b}} must name "
             "another key of the config, e.g. ${trainer.seed}, or ${oc.env:NAME} a set "
@@ -478,8 +504,7 @@ def _merge(base: DictConfig, layer: dict[str, Any], source: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, layer)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "?"
-        message = str(exc).strip().splitlines()[0]
+        key, message = omegaconf_problem(exc)
         raise ConfigError(f"{source}: bad value for {key}: {message}") from None
 
 
@@ -527,10 +552,11 @@ def _origin(hint: Any) -> Any:
     return typing.get_origin(hint) or hint
 
 
-def validate(cfg: DictConfig) -> None:
-    """Checks that the types alone do not express."""
+def validate(cfg: DictConfig) -> TrainerOptions:
+    """Checks that the types alone do not express; returns the trainer settings,
+    validated."""
     _check_numbers(cfg)
-    TrainerOptions.from_config(cfg.trainer).validate(prefix="trainer.")
+    options = TrainerOptions.from_config(cfg.trainer).validate(prefix="trainer.")
     if cfg.data.batch_size < 1:
         raise ConfigError(f"data.batch_size must be at least 1, got {cfg.data.batch_size}")
     if cfg.data.eval_batch_size is not None and cfg.data.eval_batch_size < 1:
@@ -552,6 +578,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.optimizer.weight_decay < 0:
         raise ConfigError(f"optimizer.weight_decay must be 0 or more, got {cfg.optimizer.weight_decay}")
     check_data(cfg)
+    return options
 
 
 # More loader processes than this only thrash (and a typo of a few digits would
@@ -701,10 +728,6 @@ def _enabled_callbacks(cfg: DictConfig) -> dict[str, Any]:
         except SlipstreamError:
             continue
     return found
-
-
-def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
 
 
 def to_yaml(cfg: DictConfig) -> str:

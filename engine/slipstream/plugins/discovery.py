@@ -3,11 +3,13 @@ from config, and resolve the one order a run uses."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
 import warnings
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -16,6 +18,7 @@ import pluggy
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from slipstream.config.options import omegaconf_problem
 from slipstream.data.stats import BUILTIN_SUMMARIES
 from slipstream.errors import ConfigError, PluginError, did_you_mean
 from slipstream.hookspecs import STEPS
@@ -105,6 +108,24 @@ class PluginInfo:
         }
 
 
+# Within one command (:func:`discovered_once`), each group is read from the installed
+# distributions' metadata once: its config, plugins and data ask for the same groups.
+_DISCOVERED: ContextVar[dict[tuple[str, Any], dict[str, PluginInfo]] | None] = ContextVar(
+    "slipstream_discovered", default=None
+)
+
+
+@contextlib.contextmanager
+def discovered_once() -> Iterator[None]:
+    """Within, :func:`discover` reads each group once (a command's span: plugins
+    installed meanwhile are not seen until the next)."""
+    token = _DISCOVERED.set({})
+    try:
+        yield
+    finally:
+        _DISCOVERED.reset(token)
+
+
 def discover(
     load: bool = True, group: str = ALGORITHMS_GROUP, base: type | None = None
 ) -> dict[str, PluginInfo]:
@@ -115,6 +136,20 @@ def discover(
     others. ``load=False`` defers imports to :func:`algorithm_class`, so a run
     imports only the plugins it uses; name, distribution, version and summary
     come from the distribution's metadata either way."""
+    cache = _DISCOVERED.get()
+    if cache is None or (group, base) not in cache:
+        found = _entry_points(group, base)
+        if cache is not None:
+            cache[group, base] = found
+    else:
+        found = cache[group, base]
+    if load:
+        for info in found.values():
+            info.load()
+    return dict(found)
+
+
+def _entry_points(group: str, base: type | None) -> dict[str, PluginInfo]:
     found: dict[str, PluginInfo] = {}
     for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
         dist = getattr(ep, "dist", None)
@@ -141,8 +176,6 @@ def discover(
             other.entry_point = None
             continue
         found[ep.name] = info
-        if load:
-            info.load()
     return found
 
 
@@ -219,10 +252,10 @@ def plugin_config(cls: type[Plugin], options: dict[str, Any] | None, prefix: str
         merged = OmegaConf.merge(structured, options)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
-        field_type = getattr(fields.get(str(key)), "type", None)
+        key, message = omegaconf_problem(exc)
+        field_type = getattr(fields.get(key), "type", None)
         allowed = f"; expected {_type_name(field_type)}" if field_type is not None else ""
-        raise ConfigError(f"{name}.{key}{about}: {_first_line(exc)}{allowed}") from None
+        raise ConfigError(f"{name}.{key}{about}: {message}{allowed}") from None
     except ConfigError:  # already names the plugin and key (parse_duration_option)
         raise
     except (ValueError, TypeError) as exc:
@@ -448,7 +481,3 @@ def algorithm_record(algo: Plugin, distribution: tuple[str, str]) -> dict[str, A
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
-import os
 import random
 import sys
 import time
@@ -45,6 +44,7 @@ import torch
 
 from slipstream import hookspecs
 from slipstream.plugins.dispatch import plugin_manager
+from slipstream.services.peak_flops import cache_path as peak_flops_cache
 from slipstream.services.peak_flops import device_label, machine_key, read_cache
 from slipstream.services.peak_flops import write_cache as store_cache
 from slipstream.state import State, unwrap_model
@@ -141,10 +141,9 @@ def _penalty(combo: Mapping[str, str], margins: Mapping[str, Mapping[str, float]
 
 
 def cache_path() -> Path:
-    """``$XDG_CACHE_HOME/slipstream/auto_variants.json`` (``~/.cache`` without it):
-    the directory of the peak-FLOP/s cache. Delete the file to measure again."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / CACHE_FILE
+    """``$XDG_CACHE_HOME/slipstream/auto_variants.json`` (``~/.cache`` without it),
+    beside the peak-FLOP/s cache. Delete the file to measure again."""
+    return peak_flops_cache(CACHE_FILE)
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

@@ -27,7 +27,7 @@ from slipstream.services import (
     MetricsLogger,
     Normalize,
     ProgressBar,
-    SummaryWriter,
+    RunSummary,
     TargetAccuracy,
     Utilization,
 )
@@ -43,7 +43,7 @@ class Services:
     """The engine's own plugins of one run."""
 
     defaults: DefaultSteps
-    summary: SummaryWriter
+    summary: RunSummary
     losses: TrainLosses
     divergence: DivergenceMonitor
     checkpointer: Checkpointer
@@ -79,7 +79,7 @@ def assemble(
     target = None
     if options.target_accuracy is not None:
         target = TargetAccuracy(options.target_accuracy, options.stop_at_target)
-    summary = SummaryWriter(
+    summary = RunSummary(
         run_dir,
         algorithm_records,
         callback_records=callback_records,
@@ -87,7 +87,7 @@ def assemble(
         target=target,
         write=write,
     )
-    pm.register(summary, name=SummaryWriter.name)
+    pm.register(summary, name=RunSummary.name)
     # The batches' losses, read by the metrics log and before each checkpoint; the
     # divergence monitor looks at every read.
     losses = TrainLosses()

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from slipstream.config.options import KEYWORD_MAPPINGS
+from slipstream.config.options import KEYWORD_MAPPINGS, plain
 from slipstream.data.sources import data_locations
 from slipstream.errors import CheckpointError, ConfigError, describe
 from slipstream.run.directory import LATEST, RunDir, atomic_write, fsync_dir, write_failure
@@ -192,7 +192,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
-        from slipstream.run.unreadable import unreadable_reason
+        from slipstream.run.corrupt_checkpoint import unreadable_reason
 
         raise CheckpointError(f"checkpoint {path} cannot be read: {unreadable_reason(path, exc)}") from None
     if not isinstance(payload, dict) or payload.get("format") not in _FORMAT_ALIASES:
@@ -406,17 +406,9 @@ RESUME_MAY_CHANGE = (
 )
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     if prefix in KEYWORD_MAPPINGS:  # compared whole: {} and {"drop_rate": 0.5} differ
-        return {prefix: _plain(value) if value is not None else {}}
+        return {prefix: plain(value) if value is not None else {}}
     if isinstance(value, Mapping) and value:
         out: dict[str, Any] = {}
         for k, v in value.items():

@@ -37,7 +37,7 @@ from typing import IO, Any
 
 import yaml
 
-from slipstream.errors import ConfigError
+from slipstream.errors import ConfigError, exception_chain
 
 # libyaml's emitter where PyYAML has it: the same YAML at a quarter of the cost,
 # which a short run pays at its start.
@@ -331,7 +331,7 @@ def write_failure(exc: BaseException, path: str | Path, written: int | None = No
     ``written`` bytes at the file-size limit (``ulimit -f``). None when ``exc`` is
     no write failure (a bug, a bad payload)."""
     found: OSError | None = None
-    for link in _chain(exc):
+    for link in exception_chain(exc):
         if isinstance(link, OSError) and link.errno is not None:
             found = link
             break
@@ -349,15 +349,6 @@ def write_failure(exc: BaseException, path: str | Path, written: int | None = No
     if found is None:
         return None
     return OSError(found.errno, found.strerror or os.strerror(found.errno), str(path))
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    seen: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and all(current is not s for s in seen):
-        seen.append(current)
-        current = current.__cause__ or current.__context__
-    return seen
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:

@@ -85,9 +85,9 @@ def rebuild(
 ) -> Rebuilt:
     """The run that wrote ``checkpoint``, rebuilt on this machine with ``weights``
     (``model`` or one that :func:`slipstream.run.checkpoint.weights_in` lists) loaded."""
-    from slipstream.cli.runner import build_trainer
     from slipstream.config.schema import build_config, to_dict
     from slipstream.plugins.discovery import algorithm_class, discover
+    from slipstream.run.build import build_trainer
 
     payload = load_checkpoint(checkpoint)
     saved = payload.get("config") or {}

@@ -9,7 +9,7 @@ from slipstream.services.metrics import MetricsLogger
 from slipstream.services.normalize import Normalize
 from slipstream.services.progress import ProgressBar
 from slipstream.services.steps import DefaultSteps
-from slipstream.services.summary import RunSummary, SummaryWriter
+from slipstream.services.summary import RunSummary
 from slipstream.services.target import TargetAccuracy
 from slipstream.services.utilization import Utilization
 
@@ -21,7 +21,6 @@ __all__ = [
     "Normalize",
     "ProgressBar",
     "RunSummary",
-    "SummaryWriter",
     "TargetAccuracy",
     "Utilization",
 ]

@@ -129,9 +129,11 @@ def _probe(device: torch.device, name: str) -> float:
         return measure_matmul_flops(device, DTYPES.get(name, torch.float32))
 
 
-def cache_path() -> Path:
+def cache_path(name: str = CACHE_FILE) -> Path:
+    """``$XDG_CACHE_HOME/<name>`` (``~/.cache`` without it): where the engine keeps
+    what it measured once per machine (``name``: this cache's file by default)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / CACHE_FILE
+    return Path(base) / name
 
 
 def device_label(device: torch.device) -> str:

@@ -201,6 +201,3 @@ def _num(value: Any) -> float | None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return float(value) if ok else None
 
-
-# The former name, importable until every caller says RunSummary.
-SummaryWriter = RunSummary

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from slipstream.errors import first_line
+
 _ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_MAGIC = b"\x80"  # a pickle of protocol 2 or more: torch's legacy (pre-1.6) format
 
@@ -52,7 +54,7 @@ def unreadable_reason(path: str | Path, exc: BaseException) -> str:
     if "weights only load failed" in text or "unpickling" in text:
         return ("its contents are damaged, or Python objects besides tensors that Slipstream does not load "
                 "(loading them could run any code): it is not a readable Slipstream checkpoint")
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first = first_line(exc)
     first = first.split(". This is an internal miniz error")[0]
     return re.sub(r"\s*\(\d+\)\s*$", "", first)[:200]  # a raw library error code says nothing
 

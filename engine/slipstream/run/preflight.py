@@ -19,8 +19,6 @@ from slipstream.errors import ConfigError, ConfigWarning
 from slipstream.optim import check_optimizer_holds
 from slipstream.services.evaluation import EVALUATION_OFF
 
-SCHEDULER_INTERVALS = ("epoch", "batch")
-
 # A plain DataLoader's samplers: every process that uses one reads all of the dataset.
 WHOLE_DATASET_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)
 
@@ -77,14 +75,6 @@ def check_run(
         )
     if batches_per_epoch(train_data) is None:
         check_unknown_epoch_length(max_duration, o, warn=warn)
-
-
-def check_scheduler_interval(scheduler_interval: str) -> None:
-    if scheduler_interval not in SCHEDULER_INTERVALS:
-        raise ConfigError(
-            f"Trainer: scheduler_interval must be one of {', '.join(SCHEDULER_INTERVALS)}, "
-            f"got {scheduler_interval!r}"
-        )
 
 
 def check_arguments(model: Any, optimizer: Any, train_data: Any, eval_data: Any, loss_fn: Any) -> None:
