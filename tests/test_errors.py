@@ -330,7 +330,7 @@ def test_a_bug_still_shows_its_traceback(capsys, monkeypatch):
     def broken(*args, **kwargs):
         raise AttributeError("a bug")
 
-    monkeypatch.setattr("slipstream.config.schema.build_config", broken)
+    monkeypatch.setattr("slipstream.config.schema.build_run", broken)
     with pytest.raises(AttributeError, match="a bug"):
         main(["train"])
 

@@ -71,6 +71,13 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def omegaconf_problem(exc: BaseException) -> tuple[str, str]:
+    """``(key, first line of the message)`` of one of omegaconf's errors (read off its
+    attributes: this module imports no config library)."""
+    key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
+    return str(key), first_line(exc)
+
+
 def exception_chain(exc: BaseException) -> Iterable[BaseException]:
     """``exc`` and the exceptions it was raised from or during, each once."""
     seen: set[int] = set()

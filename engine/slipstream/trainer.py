@@ -182,7 +182,8 @@ class Trainer:
         )
         s = self.services
         self.summary_writer, self.metrics_log, self.checkpointer = s.summary, s.metrics_log, s.checkpointer
-        self.utilization, self.target, self.normalize = s.utilization, s.target, s.normalize
+        self.utilization, self.target, self.evaluator = s.utilization, s.target, s.evaluator
+        self.normalize = s.normalize
         self._hooks = SimpleNamespace()
         self._to_device = batch_mover(self.device)
         self._share_clock: Callable[[State], None] | None = None  # set in fit() (shared_clock)

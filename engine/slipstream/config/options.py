@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from slipstream.duration import Duration, DurationError
-from slipstream.errors import ConfigError, did_you_mean, first_line
+from slipstream.errors import ConfigError, did_you_mean
 
 # Free-form keyword mappings of the config (a model's, optimizer's or loss's constructor
 # arguments): a recipe or override gives one whole (`{}` replaces an inherited one), and
@@ -392,12 +392,6 @@ def plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
     return value
-
-
-def omegaconf_problem(exc: Exception) -> tuple[str, str]:
-    """``(key, first line of the message)`` of one of omegaconf's errors."""
-    key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
-    return str(key), first_line(exc)
 
 
 def check_ddp_options(options: Mapping[str, Any] | None, key: str = "ddp") -> dict[str, Any]:

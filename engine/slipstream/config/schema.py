@@ -23,13 +23,12 @@ from slipstream.config.options import (
     KEYWORD_MAPPINGS,
     TrainerOptions,
     config_dataclass,
-    omegaconf_problem,
     plain,
 )
 from slipstream.config.recipes import find_recipe
 from slipstream.data.sources import READ_BY_SOME, DataConfig, dataset_class, readers, reads
 from slipstream.duration import Duration
-from slipstream.errors import ConfigError, ConfigWarning, SlipstreamError, did_you_mean
+from slipstream.errors import ConfigError, ConfigWarning, SlipstreamError, did_you_mean, omegaconf_problem
 
 
 @dataclass

@@ -18,9 +18,8 @@ import pluggy
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from slipstream.config.options import omegaconf_problem
 from slipstream.data.stats import BUILTIN_SUMMARIES
-from slipstream.errors import ConfigError, PluginError, did_you_mean
+from slipstream.errors import ConfigError, PluginError, did_you_mean, omegaconf_problem
 from slipstream.hookspecs import STEPS
 from slipstream.plugins.algorithm import Algorithm
 from slipstream.plugins.base import Plugin
