@@ -268,3 +268,19 @@ def test_one_train_reads_each_plugin_group_once(tmp_path, monkeypatch):
                  "data.train_size=32", "data.val_size=16", "data.image_size=16", "data.batch_size=8",
                  "trainer.max_duration=1ba", "trainer.autotune=false", f"trainer.run_dir={tmp_path}"]) == 0  # fmt: skip
     assert read == {"slipstream.algorithms": 1, "slipstream.callbacks": 1, "slipstream.datasets": 1}
+
+
+def test_the_run_specification_is_what_was_validated():
+    """Issue 40: the command's config is read-only once validated; build_config still
+    gives its caller a copy to adjust (eval and export do)."""
+    from omegaconf.errors import ReadonlyConfigError
+
+    from slipstream.config.schema import build_config, build_run
+
+    spec = build_run(None, None, ["trainer.seed=3"])
+    assert spec.options.validated and spec.options.seed == 3
+    with pytest.raises(ReadonlyConfigError):
+        spec.config.trainer.seed = 4
+    cfg = build_config(None, None, ["trainer.seed=3"])
+    cfg.trainer.seed = 4
+    assert cfg.trainer.seed == 4

@@ -329,8 +329,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class RunSpec:
-    """A run as its configuration says it: the resolved config and its trainer
-    settings, validated (once, here)."""
+    """A run as its configuration says it: the resolved config (read-only) and its
+    trainer settings, validated (once, in :func:`build_run`)."""
 
     config: DictConfig
     options: TrainerOptions
@@ -346,7 +346,9 @@ def build_config(
     """Resolve a run's configuration in the documented merge order. ``base`` (a
     checkpoint's config, for eval and export) goes under the recipe; keys this
     version does not know are dropped from it."""
-    return build_run(recipe, algorithms, overrides, callbacks, base).config
+    cfg = build_run(recipe, algorithms, overrides, callbacks, base).config
+    OmegaConf.set_readonly(cfg, False)  # the caller's own copy (eval and export adjust theirs)
+    return cfg
 
 
 def build_run(
@@ -387,6 +389,7 @@ def build_run(
     _resolve_interpolations(merged)
     options = validate(merged)
     warn_no_ops(merged)
+    OmegaConf.set_readonly(merged, True)  # what was validated is what runs
     return RunSpec(merged, options)
 
 

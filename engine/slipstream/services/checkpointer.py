@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slipstream.config.options import BEST_METRICS, check_best_metric
+from slipstream.config.options import BEST_METRICS
 from slipstream.duration import Duration
 from slipstream.errors import CheckpointError
 from slipstream.hookspecs import hookimpl
@@ -67,7 +67,7 @@ class Checkpointer:
         self.write = write
         self._written: list[Path] = []
         self._last_saved_batch: int | None = None
-        self.best_metric = check_best_metric(best_metric)
+        self.best_metric = best_metric  # checked with the run's options
         self.best: dict[str, Any] | None = None  # what best.pt holds: metric, value, step, epoch
 
     @hookimpl

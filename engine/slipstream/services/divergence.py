@@ -20,7 +20,6 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from slipstream.config.options import check_on_nonfinite
 from slipstream.errors import describe
 from slipstream.services.losses import TrainLosses
 from slipstream.services.nonfinite import locate
@@ -38,7 +37,7 @@ class DivergenceMonitor:
     plugin: it has nothing to do at any event."""
 
     def __init__(self, losses: TrainLosses, on_nonfinite: str = "stop") -> None:
-        self.on_nonfinite = check_on_nonfinite(on_nonfinite)
+        self.on_nonfinite = on_nonfinite  # checked with the run's options
         self.losses = losses
         losses.inspector = self.inspect
         self.nonfinite_steps = 0
