@@ -535,3 +535,118 @@ def test_issue_44_a_hugging_face_evaluation_leaves_an_unreadable_image_out(data,
     labels = [int(y) for _, targets in out.eval for y in targets]
     assert labels == [y for i, y in enumerate(rows["label"]) if i != 2]
     assert "it is left out of the evaluation" in capfd.readouterr().err
+
+
+def _index(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_issue_41_convert_writes_an_index_and_no_shard_is_read_before_the_first_batch(
+    data, tmp_path, monkeypatch
+) -> None:
+    """Issue 41, item 3: convert writes OUT/index.json (each shard's samples and classes);
+    a run finds it beside local shards, or takes data.index, and reads no shard before its
+    first batch: `pipe:` shards included (their command logs each run)."""
+    import slipstream_webdataset as plugin
+
+    from slipstream.data.sources import data_locations
+
+    assert "data.index" in data_locations({"data": {"name": "webdataset"}})  # a resume may find it elsewhere
+    root = data["root"] / "wds"
+    index = _index(root / "index.json")
+    assert index["format"] == "slipstream-webdataset-index"
+    by_url = {e["url"]: e for e in index["shards"]}
+    assert set(by_url) == {p.name for p in root.glob("*.tar")}  # relative to the index
+    assert sum(e["samples"] for u, e in by_url.items() if u.startswith("train")) == TRAIN
+    assert sum(e["samples"] for u, e in by_url.items() if u.startswith("val")) == VAL
+    assert max(e["classes"] for e in by_url.values()) == 3
+
+    def no_reading(url: str):
+        raise AssertionError(f"{url} was read before the first batch")
+
+    monkeypatch.setattr(plugin, "index_shard", no_reading)
+    out = built(data["wds"])  # local shards: index.json beside them
+    assert out.train.num_samples == TRAIN and out.num_classes == 3
+    assert sorted(epoch_prints(out.train, 0)) == sorted(data["every"])
+    log = tmp_path / "fetched.log"
+    fetch = tmp_path / "fetch.sh"
+    fetch.write_text(f'echo "$1" >> {log}\ncat "$1"\n')
+    shards = sorted(root.glob("train-*.tar"))
+    urls = [f"pipe:sh {fetch} {shard}" for shard in shards]
+    out = built({**data["wds"], "urls": urls, "eval_urls": None, "index": str(root / "index.json")})
+    assert not log.exists()  # nothing streamed to count
+    assert sorted(epoch_prints(out.train, 0)) == sorted(data["every"])
+    assert sorted(log.read_text().split()) == sorted(map(str, shards))  # each shard once, in the epoch
+
+
+def test_issue_41_without_an_index_a_pipe_run_says_what_counting_costs(data) -> None:
+    shards = sorted((data["root"] / "wds").glob("train-*.tar"))
+    with pytest.warns(UserWarning, match=rf"data.urls: {len(shards)} shard\(s\) are streamed through once .*"
+                                         r"slipstream data index 'pipe:cat .*' -o index.json"):  # fmt: skip
+        out = built({**data["wds"], "urls": [f"pipe:cat {s}" for s in shards], "eval_urls": None})
+    assert out.train.num_samples == TRAIN
+
+
+def test_issue_41_data_index_writes_once_atomically_and_refuses_to_replace_a_file(data, tmp_path, capsys) -> None:
+    root = data["root"] / "wds"
+    output = tmp_path / "idx" / "shards.json"
+    pattern = str(root / "train-*.tar")
+    assert main(["data", "index", pattern, f"pipe:cat {root / 'val-000000.tar'}", "-o", str(output)]) == 0
+    written = _index(output)
+    converted = _index(root / "index.json")["shards"]  # train-*, then val-*: as convert wrote them
+    assert written["shards"][:-1] == [{**e, "url": str(root / e["url"])} for e in converted if e["url"] < "v"]
+    val = next(e for e in _index(root / "index.json")["shards"] if e["url"] == "val-000000.tar")
+    assert written["shards"][-1] == {"url": f"pipe:cat {root / 'val-000000.tar'}", "samples": val["samples"],
+                                     "classes": val["classes"]}  # fmt: skip
+    assert [p.name for p in output.parent.iterdir()] == ["shards.json"]  # no temporary file left
+    capsys.readouterr()
+    before = output.read_text()
+    for argv, expected in (
+        (["data", "index", pattern, "-o", str(output)], "exists; give --overwrite"),
+        (["data", "index", str(tmp_path / "none-*.tar"), "-o", str(tmp_path / "new.json")], "matches no file"),
+        (["data", "index", pattern, "-o", str(tmp_path)], "is a directory"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert expected in err and "\n" not in err and "Traceback" not in err
+    assert output.read_text() == before and not (tmp_path / "new.json").exists()
+    assert main(["data", "index", str(root / "train-000000.tar"), "-o", str(output), "--overwrite"]) == 0
+    assert len(_index(output)["shards"]) == 1
+
+
+def test_issue_41_an_index_that_does_not_match_its_shards_is_one_line(data, tmp_path, capsys) -> None:
+    import shutil
+
+    from slipstream.data import DataError
+
+    root = tmp_path / "wds"
+    shutil.copytree(data["root"] / "wds", root)
+    index = root / "index.json"
+    train = str(root / "train-{000000..000001}.tar")
+    entries = _index(index)
+    # A shard of data.urls not in the index (data.index, or index.json beside the shards).
+    kept = {**entries, "shards": [e for e in entries["shards"] if e["url"] != "train-000001.tar"]}
+    index.write_text(json.dumps(kept))
+    message = _bad(data, urls=train, eval_urls=None)
+    assert "shard" in message and "train-000001.tar is not in the index" in message and "data index" in message
+    # A local shard whose size differs from the index's.
+    changed = {**entries, "shards": [{**e, "bytes": e.get("bytes", 0) + 512} for e in entries["shards"]]}
+    index.write_text(json.dumps(changed))
+    message = _bad(data, urls=train, eval_urls=None, index=str(index))
+    assert "bytes, its index" in message and str(index) in message
+    # A pipe: shard (trusted) whose count differs: said when reading finds it, naming the index.
+    shard = root / "train-000000.tar"
+    more = {**entries, "shards": [{**e, "samples": e["samples"] + 3} for e in entries["shards"]]}
+    index.write_text(json.dumps(more))
+    out = built({**data["wds"], "urls": f"pipe:cat {shard}", "eval_urls": None, "index": str(index)})
+    with pytest.raises(DataError, match=rf"holds \d+ samples, its index {index} says \d+"):
+        epoch_prints(out.train, 0)
+    index.write_text("{}")
+    assert "is not a shard index" in _bad(data, urls=train, eval_urls=None)
+    # Through the CLI: one line, exit 2, before a run directory is written.
+    run = tmp_path / "run"
+    assert main(["train", "-q", "model.name=test_resnet", "data.name=webdataset", f"data.urls={train}",
+                 f"data.index={tmp_path / 'none.json'}", "data.image_size=16", "data.batch_size=4",
+                 "data.num_workers=0", f"trainer.run_dir={run}", "trainer.max_duration=1ba"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert "none.json does not exist" in err and "\n" not in err and not run.exists()

@@ -42,6 +42,9 @@ class WebDatasetConfig:
     urls: Optional[Any] = None  # a brace pattern, glob, pipe: command, or a list of them
     eval_urls: Optional[Any] = None  # the same, for evaluation; null: no evaluation data
     shuffle_block: int = 256  # samples permuted together inside a shard (held raw, per worker)
+    # A shard index (slipstream data index / convert): every shard's sample count, so none
+    # is read before the first batch. null: an index.json beside local shards, or count them.
+    index: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.shuffle_block < 1:
@@ -174,9 +177,12 @@ def _label(shard: str, key: str, raw: bytes) -> int:
 
 @dataclass
 class ShardIndex:
-    """Per shard: the labels of its complete samples, in stored order."""
+    """Per shard: its complete samples and classes (1 + its largest label; 0: none), and
+    the index file they come from (None: counted by reading the shard)."""
 
-    labels: list[int]
+    samples: int
+    classes: int
+    source: Optional[str] = None
 
 
 def index_shard(url: str) -> ShardIndex:
@@ -210,7 +216,7 @@ def index_shard(url: str) -> ShardIndex:
             raise
         reason = " ".join(str(err).split()) or type(err).__name__
         raise DataError(f"shard {url} cannot be read as a tar file ({reason})") from None
-    return ShardIndex(labels)
+    return ShardIndex(len(labels), 1 + max(labels, default=-1))
 
 
 def _check_whole(url: str, path: str, data_end: int, after: int) -> None:
@@ -278,13 +284,161 @@ def index_shards(urls: list[str]) -> list[ShardIndex]:
     return [merged[i] for i in range(len(urls))]
 
 
+INDEX_NAME = "index.json"  # what convert writes beside its shards, and a run looks for there
+INDEX_FORMAT = "slipstream-webdataset-index"
+
+
+def shard_name(url: str) -> str | None:
+    """The file name of a shard's tar (``train-000001.tar``), for a local path, a URL or
+    a ``pipe:`` command (its last word that names a tar); None where none is found."""
+    if _is_local(url):
+        return os.path.basename(_local_path(url))
+    words = url[len("pipe:") :].split() if url.startswith("pipe:") else [url]
+    names = [w.strip("'\"").split("?")[0].rstrip("/").rsplit("/", 1)[-1] for w in words]
+    tars = [n for n in names if re.search(r"\.(tar|tgz)(\.\w+)?$", n)]
+    return tars[-1] if tars else None
+
+
+def _rewrite(index: str) -> str:
+    return f"write it again for these shards: slipstream data index URLS -o {index} --overwrite"
+
+
+@dataclass
+class IndexFile:
+    """A shard index as read: its entries by shard (a local shard by its resolved path,
+    another by its URL) and by file name, for shards read from elsewhere (``pipe:``)."""
+
+    path: str
+    by_url: dict[str, dict[str, Any]]
+    by_name: dict[str, list[dict[str, Any]]]
+
+    def find(self, url: str, key: str) -> ShardIndex:
+        entry = self.by_url.get(os.path.realpath(_local_path(url)) if _is_local(url) else url)
+        if entry is None:
+            named = self.by_name.get(shard_name(url) or "", [])
+            if len(named) > 1:
+                raise DataError(
+                    f"data.{key}: shard {url} is not in the index {self.path} by its path, and "
+                    f"{len(named)} of its shards are named {shard_name(url)}; give the index of these shards"
+                )
+            entry = named[0] if named else None
+        if entry is None:
+            raise DataError(f"data.{key}: shard {url} is not in the index {self.path}; {_rewrite(self.path)}")
+        if _is_local(url) and entry.get("bytes") is not None:
+            size = os.path.getsize(_local_path(url))
+            if size != entry["bytes"]:
+                raise DataError(
+                    f"data.{key}: shard {url} has {size} bytes, its index {self.path} says {entry['bytes']} "
+                    f"(the shard changed since); {_rewrite(self.path)}"
+                )
+        return ShardIndex(entry["samples"], entry["classes"], self.path)
+
+
+def load_index(path: str) -> IndexFile:
+    """Read a shard index (``slipstream data index`` / ``convert``); a file that is
+    missing or is no such index is a DataError naming it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT:
+            raise ValueError(f"no \"format\": \"{INDEX_FORMAT}\"")
+        by_url: dict[str, dict[str, Any]] = {}
+        by_name: dict[str, list[dict[str, Any]]] = {}
+        for entry in data["shards"]:
+            url, samples, classes = entry["url"], entry["samples"], entry["classes"]
+            if not (isinstance(url, str) and isinstance(samples, int) and isinstance(classes, int)):
+                raise ValueError(f"a shard entry of other types: {entry}")
+            if samples < 0 or classes < 0:
+                raise ValueError(f"a negative count: {entry}")
+            local = _is_local(url)
+            by_url[os.path.realpath(os.path.join(folder, _local_path(url))) if local else url] = entry
+            by_name.setdefault(shard_name(url) or "", []).append(entry)
+    except FileNotFoundError:
+        raise DataError(f"data.index {path} does not exist (write one: slipstream data index URLS -o {path})") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise DataError(f"data.index {path} is not a shard index ({type(err).__name__}: {reason})") from None
+    return IndexFile(path, by_url, by_name)
+
+
+def shard_indexes(urls: list[str], key: str, given: Any, index: Optional[IndexFile]) -> list[ShardIndex]:
+    """Every shard's sample count: from ``index`` (data.index; every shard must be in
+    it), else from an index.json beside a local shard (every shard of that folder must be
+    in it), else by reading the shard (index_shards). A ``pipe:`` or remote shard
+    counted that way is said once: its cost, and how to write an index."""
+    if index is not None:
+        return [index.find(url, key) for url in urls]
+    beside: dict[str, Optional[IndexFile]] = {}
+    found: list[Optional[ShardIndex]] = []
+    for url in urls:
+        file = None
+        if _is_local(url):
+            candidate = os.path.join(os.path.dirname(os.path.abspath(_local_path(url))), INDEX_NAME)
+            if candidate not in beside:
+                beside[candidate] = load_index(candidate) if os.path.isfile(candidate) else None
+            file = beside[candidate]
+        found.append(file.find(url, key) if file is not None else None)
+    todo = [i for i, known in enumerate(found) if known is None]
+    streamed = [urls[i] for i in todo if not _is_local(urls[i])]
+    if streamed:
+        shown = " ".join(f"'{u}'" for u in ([given] if isinstance(given, str) else given))
+        warnings.warn(
+            f"slipstream: data.{key}: {len(streamed)} shard(s) are streamed through once before the first batch "
+            f"to count their samples (no shard index); write one once: slipstream data index {shown} -o index.json, "
+            "and give data.index=index.json",
+            stacklevel=2,
+        )
+    for i, counted in zip(todo, index_shards([urls[i] for i in todo]) if todo else [], strict=True):
+        found[i] = counted
+    return [known for known in found if known is not None]
+
+
+def index_entries(urls: list[str], indexes: list[ShardIndex], index_path: str) -> list[dict[str, Any]]:
+    """The index's entries: a local shard by its path relative to the index's folder
+    (absolute when outside it) with its size in bytes, another by its URL as given."""
+    folder = os.path.dirname(os.path.abspath(index_path))
+    entries = []
+    for url, known in zip(urls, indexes, strict=True):
+        entry: dict[str, Any] = {"url": url, "samples": known.samples, "classes": known.classes}
+        if _is_local(url):
+            path = os.path.abspath(_local_path(url))
+            relative = os.path.relpath(path, folder)
+            entry["url"] = path if relative.startswith("..") else relative
+            entry["bytes"] = os.path.getsize(path)
+        entries.append(entry)
+    return entries
+
+
+def write_index(entries: list[dict[str, Any]], path: str) -> None:
+    """Write a shard index at ``path`` whole or not at all (a temporary file, then
+    os.replace): one shard a line."""
+    lines = ",\n".join("    " + json.dumps(e) for e in entries)
+    text = f'{{\n  "format": "{INDEX_FORMAT}",\n  "version": 1,\n  "shards": [\n{lines}\n  ]\n}}\n'
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    partial = os.path.join(folder, f".{os.path.basename(path)}.partial")
+    with open(partial, "w") as f:
+        f.write(text)
+    os.replace(partial, path)
+
+
+def index_urls(urls: list[str], output: str) -> dict[str, Any]:
+    """``slipstream data index``: count the shards ``urls`` name (as data.urls accepts
+    them) and write their index at ``output``."""
+    expanded = expand(urls, "urls")
+    indexes = index_shards(expanded)
+    write_index(index_entries(expanded, indexes, output), output)
+    return {"shards": len(expanded), "samples": sum(i.samples for i in indexes), "index": output}
+
+
 class ShardSet:
     """A list of shards as the engine's StreamLoader reads them (a ShardSource)."""
 
-    def __init__(self, urls: list[str], image_size: int) -> None:
+    def __init__(self, urls: list[str], image_size: int, indexes: Optional[list[ShardIndex]] = None) -> None:
         self.urls = urls
-        self.indexes = index_shards(urls)
-        self.shard_sizes = [len(i.labels) for i in self.indexes]
+        self.indexes = index_shards(urls) if indexes is None else indexes
+        self.shard_sizes = [i.samples for i in self.indexes]
         self.resize = ResizeCrop(image_size)
         if sum(self.shard_sizes) == 0:
             raise DataError(
@@ -294,7 +448,7 @@ class ShardSet:
 
     @property
     def num_classes(self) -> int:
-        return 1 + max((max(i.labels) for i in self.indexes if i.labels), default=0)
+        return max([1, *(i.classes for i in self.indexes)])
 
     def shard_name(self, shard: int) -> str:
         return self.urls[shard]
@@ -309,13 +463,29 @@ class ShardSet:
                 if position >= stop:
                     return
                 ext = next(e for e in IMAGE_EXTS if e in parts)
-                yield (url, key, ext, parts[ext], self.indexes[shard].labels[position])
+                yield (url, key, ext, parts[ext], self._label(shard, key, parts[LABEL_EXT]))
                 index += 1
         except (tarfile.TarError, EOFError, OSError) as err:
             reason = " ".join(str(err).split()) or type(err).__name__
             raise DataError(f"shard {url} failed after {index} samples ({reason})") from None
         if index < stop:
+            known = self.indexes[shard]
+            if known.source is not None:
+                raise DataError(
+                    f"shard {url} holds {index} samples, its index {known.source} says {known.samples}: "
+                    f"the index does not match its shard; {_rewrite(known.source)}"
+                )
             raise DataError(f"shard {url} holds {index} samples now, {stop} when the run started")
+
+    def _label(self, shard: int, key: str, raw: bytes) -> int:
+        label, known = _label(self.urls[shard], key, raw), self.indexes[shard]
+        if label >= known.classes:
+            told = f"its index {known.source}" if known.source is not None else "when the run started it"
+            raise DataError(
+                f"shard {self.urls[shard]}: sample {key} has class {label}, {told} held classes below {known.classes}"
+                + (f"; {_rewrite(known.source)}" if known.source is not None else "")
+            )
+        return label
 
     def sample_name(self, raw: Any) -> str:
         url, key, ext = raw[:3]
@@ -331,14 +501,19 @@ class WebDatasetShards(DatasetPlugin):
 
     name = "webdataset"
     config_class = WebDatasetConfig
-    locations = ("urls", "eval_urls")
+    locations = ("urls", "eval_urls", "index")
     streams = True  # its loader starts its workers each epoch (its split of the epoch is per epoch)
     stats = DATASET_STATS["imagefolder"]  # ImageNet's: what a tree of photos usually has
 
     def build(self, request: DataRequest) -> BuiltData:
         c = self.config
-        train = ShardSet(expand(c.urls, "urls"), request.image_size)
-        evals = ShardSet(expand(c.eval_urls, "eval_urls"), request.image_size) if c.eval_urls else None
+        given = load_index(c.index) if c.index else None
+        urls = expand(c.urls, "urls")
+        train = ShardSet(urls, request.image_size, shard_indexes(urls, "urls", c.urls, given))
+        evals = None
+        if c.eval_urls:
+            eval_urls = expand(c.eval_urls, "eval_urls")
+            evals = ShardSet(eval_urls, request.image_size, shard_indexes(eval_urls, "eval_urls", c.eval_urls, given))
         common = dict(
             seed=request.seed,
             rank=request.rank,
@@ -381,13 +556,19 @@ class WebDatasetShards(DatasetPlugin):
             raise DataError(f"webdataset converts from imagefolder only, not {source!r}")
         return convert_imagefolder(src, out, shard_size=shard_size, progress=progress)
 
+    @classmethod
+    def index(cls, urls: list[str], output: str) -> dict[str, Any]:
+        """Write the index of existing shards; see :func:`index_urls`."""
+        return index_urls(urls, output)
+
 
 def convert_imagefolder(src: str, out: str, *, shard_size: int, progress: bool = True, seed: int = 0) -> dict[str, Any]:
     """Write ``OUT/<split>-000000.tar ...`` from ``SRC/<split>/<class>/*`` (train and val;
     or SRC's class folders as one ``train`` split). The image bytes are copied, not
     re-encoded, in an order shuffled by ``seed`` (so a shard mixes classes), with the
     class index (ImageFolder's: sorted folder names) as ``.cls``; OUT/classes.json
-    lists the class names. Returns the ``data.urls`` / ``data.eval_urls`` to use."""
+    lists the class names and OUT/index.json every shard's sample count (a run then reads
+    no shard before its first batch). Returns the ``data.urls`` / ``data.eval_urls`` to use."""
     import webdataset as wds
     from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
     from tqdm import tqdm
@@ -412,10 +593,13 @@ def convert_imagefolder(src: str, out: str, *, shard_size: int, progress: bool =
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.glob("*.tar")):
         raise DataError(f"convert: {out} already holds .tar shards; choose an empty or new folder")
+    if (out_dir / INDEX_NAME).exists():
+        raise DataError(f"convert: {out} already holds {INDEX_NAME}; choose an empty or new folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"samples": {}, "shards": {}}
     total = sum(len(s) for s, _ in plan.values())
     bar = tqdm(total=total, unit="img", desc="convert", disable=not progress)
+    counted: dict[str, list[int]] = {}  # shard file -> [samples, classes]
     for split, (samples, _classes) in plan.items():
         pattern = str(out_dir / f"{split}-%06d.tar")
         skipped: dict[str, list[str]] = {}  # why -> the files left out
@@ -432,6 +616,8 @@ def convert_imagefolder(src: str, out: str, *, shard_size: int, progress: bool =
                 ext = {"jpeg": "jpg", "jpe": "jpg", "tif": "tiff"}.get(ext, ext)
                 sink.write({"__key__": f"{written_count:09d}", ext: data, LABEL_EXT: str(label)})
                 written_count += 1
+                shard = counted.setdefault(str(sink.fname), [0, 0])
+                shard[0], shard[1] = shard[0] + 1, max(shard[1], label + 1)
         if skipped:
             left_out = sum(len(paths) for paths in skipped.values())
             counts = ", ".join(f"{len(paths)} {why}" for why, paths in skipped.items())
@@ -457,4 +643,8 @@ def convert_imagefolder(src: str, out: str, *, shard_size: int, progress: bool =
     partial = out_dir / ".classes.json.partial"
     partial.write_text(json.dumps(next(iter(plan.values()))[1]) + "\n")
     os.replace(partial, out_dir / "classes.json")
+    shards = sorted(str(p) for split in plan for p in out_dir.glob(f"{split}-*.tar"))
+    counts = [ShardIndex(*counted.get(p, (0, 0))) for p in shards]
+    write_index(index_entries(shards, counts, str(out_dir / INDEX_NAME)), str(out_dir / INDEX_NAME))
+    result["index"] = str(out_dir / INDEX_NAME)
     return result

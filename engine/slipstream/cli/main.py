@@ -6,6 +6,7 @@ slipstream algorithms [--json] [--check]
 slipstream callbacks [--json] [--check]
 slipstream datasets [--json] [--check]
 slipstream data convert imagefolder DIR --to webdataset OUT [--shard-size 256MB]
+slipstream data index URLS [URLS ...] -o FILE [--overwrite]
 slipstream recipes [--json]
 slipstream sweep --recipe R --trials N [--sweep-dir D] [--metric accuracy] [--direction maximize]
                  key=loguniform(a,b) key=uniform(a,b) key=int(a,b) key=choice(x,y) [key=value ...]
@@ -171,7 +172,7 @@ def _add_sweep(sub: Any) -> None:
 
 
 def _add_data(sub: Any) -> None:
-    data = sub.add_parser("data", help="data tools: convert an ImageFolder tree to shards")
+    data = sub.add_parser("data", help="data tools: convert an ImageFolder tree to shards, index shards")
     data_sub = data.add_subparsers(dest="data_command", metavar="ACTION", parser_class=_Parser)
     convert = data_sub.add_parser(
         "convert",
@@ -184,6 +185,16 @@ def _add_data(sub: Any) -> None:
     convert.add_argument("out", metavar="OUT", help="the folder the shards are written to")
     convert.add_argument("--shard-size", default="256MB", help="bytes per shard: 256MB, 1GB, 500KB (default 256MB)")
     convert.add_argument("--no-progress", action="store_true", help="no progress bar")
+    index = data_sub.add_parser(
+        "index",
+        help="write the index of existing WebDataset shards (their sample counts), for data.index",
+        description="slipstream data index URLS [URLS ...] -o FILE [--overwrite]: count the samples of "
+        "the shards URLS name (as data.urls: brace patterns, globs, pipe: commands) and write their "
+        "index to FILE; a run given data.index=FILE reads no shard before its first batch.",
+    )
+    index.add_argument("urls", nargs="+", metavar="URLS", help="shards, as data.urls takes them")
+    index.add_argument("--output", "-o", required=True, metavar="FILE", help="the index file to write")
+    index.add_argument("--overwrite", action="store_true", help="replace an existing FILE")
 
 
 def _add_checkpoint_options(command: argparse.ArgumentParser) -> None:
@@ -764,8 +775,10 @@ def parse_size(text: str) -> int:
 def _data(args: argparse.Namespace) -> int:
     from slipstream.data.sources import dataset_class
 
+    if args.data_command == "index":
+        return _data_index(args)
     if args.data_command != "convert":
-        print("slipstream: error: say what to do: slipstream data convert ...", file=sys.stderr)
+        print("slipstream: error: say what to do: slipstream data convert ... | index ...", file=sys.stderr)
         return EXIT_USAGE
     shard_size = parse_size(args.shard_size)
     try:
@@ -783,6 +796,24 @@ def _data(args: argparse.Namespace) -> int:
         print(f"{split}: {count} images in {result['shards'][split]} shards{note}")
     keys = " ".join(f"'data.{k}={result[k]}'" for k in ("urls", "eval_urls") if k in result)
     print(f"train on them with: slipstream train data.name={args.to} {keys}")
+    if "index" in result:
+        print(f"their index (sample counts; found beside them, or give data.index=): {result['index']}")
+    return 0
+
+
+def _data_index(args: argparse.Namespace) -> int:
+    """``slipstream data index``: refuses an existing -o without --overwrite, before any shard is read."""
+    from slipstream.data.sources import dataset_class
+
+    output = os.path.expanduser(args.output)
+    if os.path.isdir(output):
+        raise ConfigError(f"-o {output} is a directory; give the file to write, e.g. {output}/index.json")
+    if os.path.exists(output) and not args.overwrite:
+        raise ConfigError(f"-o {output} exists; give --overwrite to replace it, or another file")
+    cls = dataset_class("webdataset")
+    result = cls.index([os.path.expanduser(u) for u in args.urls], output)
+    written = result["index"]
+    print(f"{written}: {result['shards']} shards, {result['samples']} samples; give data.index={written}")
     return 0
 
 
