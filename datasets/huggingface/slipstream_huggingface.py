@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import Dataset
 
-from slipstream.data import DATASET_STATS, DataError, DataRequest, DatasetPlugin, ResizeCrop, SkipLog, decode_rgb
+from slipstream.data import DATASET_STATS, DataError, DataRequest, DatasetPlugin, Geometry, SkipLog
 
 SPLITS = ("train", "validation", "valid", "val", "test")
 EVAL_SPLITS = ("validation", "valid", "val", "test")
@@ -88,7 +88,7 @@ class HFImages(Dataset):
     evaluated, and counted, twice."""
 
     def __init__(
-        self, table: Any, image_column: str, label_column: str, image_size: int, where: str, replace: bool = True
+        self, table: Any, image_column: str, label_column: str, geometry: Geometry, where: str, replace: bool = True
     ) -> None:
         import datasets
 
@@ -104,13 +104,14 @@ class HFImages(Dataset):
                 "(an Image feature or encoded image bytes)"
             )
         self.table = table.select_columns([image_column, label_column])
-        self.resize = ResizeCrop(image_size)
+        self.geometry = geometry  # the crop, taken while each image is decoded
+        self.keyed = geometry.random  # the loader's sampler gives keys with the epoch
         self.skips = SkipLog("dataset" if replace else None)
 
     def __len__(self) -> int:
         return len(self.table)
 
-    def _decode(self, value: Any, index: int) -> torch.Tensor:
+    def _decode(self, value: Any, index: int, key: Any = None) -> torch.Tensor:
         name = f"{self.where}[{index}]"
         if isinstance(value, dict):
             data = value.get("bytes")
@@ -123,14 +124,14 @@ class HFImages(Dataset):
             value = data
         if value is None:
             raise DataError(f"{name} holds no image")
-        return self.resize(decode_rgb(value, name))
+        return self.geometry.decode(value, name, index if key is None else key)
 
     def _item(self, index: int) -> tuple[torch.Tensor, int]:
         for offset in range(len(self)):
             i = (index + offset) % len(self)
             row = self.table[i]
             try:
-                return self._decode(row[self.image_column], i), int(row[self.label_column])
+                return self._decode(row[self.image_column], i, index), int(row[self.label_column])
             except DataError as err:
                 self.skips.warn(f"{self.where}[{i}]", str(err))
         raise DataError(f"none of the {len(self)} images of {self.where} can be decoded")
@@ -140,7 +141,7 @@ class HFImages(Dataset):
 
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
         # One columnar read per batch instead of one per row.
-        rows = self.table[list(indices)]
+        rows = self.table[[int(i) for i in indices]]
         out = []
         for i, value, label in zip(indices, rows[self.image_column], rows[self.label_column], strict=True):
             try:
@@ -203,7 +204,8 @@ class HuggingFaceDataset(DatasetPlugin):
                         f"its columns: {', '.join(table.column_names)}"
                     )
         train, *val = (
-            HFImages(t, c.image_column, c.label_column, request.image_size, f"{c.path}:{s}", replace=s == c.split)
+            HFImages(t, c.image_column, c.label_column, request.geometry("train" if s == c.split else "eval"),
+                     f"{c.path}:{s}", replace=s == c.split)  # fmt: skip
             for t, s in zip(tables, names, strict=True)
         )
         return train, (val[0] if val else None), _num_classes(tables, c.label_column)

@@ -28,9 +28,9 @@ from slipstream.data import (
     DataError,
     DataRequest,
     DatasetPlugin,
-    ResizeCrop,
+    Geometry,
     StreamLoader,
-    decode_rgb,
+    sample_key,
 )
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "tiff")
@@ -435,11 +435,12 @@ def index_urls(urls: list[str], output: str) -> dict[str, Any]:
 class ShardSet:
     """A list of shards as the engine's StreamLoader reads them (a ShardSource)."""
 
-    def __init__(self, urls: list[str], image_size: int, indexes: Optional[list[ShardIndex]] = None) -> None:
+    def __init__(self, urls: list[str], geometry: Geometry, indexes: Optional[list[ShardIndex]] = None) -> None:
         self.urls = urls
         self.indexes = index_shards(urls) if indexes is None else indexes
         self.shard_sizes = [i.samples for i in self.indexes]
-        self.resize = ResizeCrop(image_size)
+        self.geometry = geometry  # the crop, taken while each image is decoded
+        self.epoch = 0  # set by the loader's stream each epoch: random crops are per (sample, epoch)
         if sum(self.shard_sizes) == 0:
             raise DataError(
                 f"the {len(urls)} shards hold no sample with an image ({', '.join(IMAGE_EXTS)}) and a .{LABEL_EXT} "
@@ -493,7 +494,11 @@ class ShardSet:
 
     def decode(self, raw: Any) -> tuple[Any, int]:
         url, key, ext, data, label = raw
-        return self.resize(decode_rgb(data, f"{url}:{key}.{ext}")), label
+        name = f"{url}:{key}.{ext}"
+        return self.geometry.decode(data, name, sample_key(name, self.epoch)), label
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
 
 class WebDatasetShards(DatasetPlugin):
@@ -503,17 +508,19 @@ class WebDatasetShards(DatasetPlugin):
     config_class = WebDatasetConfig
     locations = ("urls", "eval_urls", "index")
     streams = True  # its loader starts its workers each epoch (its split of the epoch is per epoch)
+    photos = True
     stats = DATASET_STATS["imagefolder"]  # ImageNet's: what a tree of photos usually has
 
     def build(self, request: DataRequest) -> BuiltData:
         c = self.config
         given = load_index(c.index) if c.index else None
         urls = expand(c.urls, "urls")
-        train = ShardSet(urls, request.image_size, shard_indexes(urls, "urls", c.urls, given))
+        train = ShardSet(urls, request.geometry("train"), shard_indexes(urls, "urls", c.urls, given))
         evals = None
         if c.eval_urls:
             eval_urls = expand(c.eval_urls, "eval_urls")
-            evals = ShardSet(eval_urls, request.image_size, shard_indexes(eval_urls, "eval_urls", c.eval_urls, given))
+            eval_indexes = shard_indexes(eval_urls, "eval_urls", c.eval_urls, given)
+            evals = ShardSet(eval_urls, request.geometry("eval"), eval_indexes)
         common = dict(
             seed=request.seed,
             rank=request.rank,

@@ -260,9 +260,11 @@ def dataset_plugin_keys() -> list[str]:
 def check_data(cfg: DictConfig) -> None:
     """``data.name`` is an installed dataset plugin and the data keys it declares are
     valid; a key only another dataset reads is an error naming the chosen one."""
+    from slipstream.data.geometry import geometries
     from slipstream.data.sources import build_dataset_plugin
 
-    build_dataset_plugin(plain(cfg.data))
+    dataset = build_dataset_plugin(plain(cfg.data))
+    geometries(cfg.data, type(dataset).photos)  # the crop and resize options, checked
 
 
 def parse_algorithm_list(text: str) -> tuple[list[str], list[str]]:

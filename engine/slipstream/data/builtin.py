@@ -58,6 +58,8 @@ class Synthetic(DatasetPlugin):
             train_size=c.train_size,
             val_size=c.val_size,
             seed=request.seed,
+            train_geometry=request.train_geometry,
+            eval_geometry=request.eval_geometry,
         )
 
 
@@ -72,7 +74,14 @@ class Cifar10(DatasetPlugin):
 
     def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:
         c = self.config
-        return build_datasets(self.name, root=c.root, image_size=request.image_size, download=c.download)
+        return build_datasets(
+            self.name,
+            root=c.root,
+            image_size=request.image_size,
+            download=c.download,
+            train_geometry=request.train_geometry,
+            eval_geometry=request.eval_geometry,
+        )
 
 
 class Cifar100(Cifar10):
@@ -89,7 +98,14 @@ class ImageFolder(DatasetPlugin):
     name = "imagefolder"
     config_class = ImageFolderConfig
     locations = ("root",)
+    photos = True
     stats = DATASET_STATS["imagefolder"]
 
     def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:
-        return build_datasets("imagefolder", root=self.config.root, image_size=request.image_size)
+        return build_datasets(
+            "imagefolder",
+            root=self.config.root,
+            image_size=request.image_size,
+            train_geometry=request.geometry("train"),
+            eval_geometry=request.geometry("eval"),
+        )

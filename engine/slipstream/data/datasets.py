@@ -17,6 +17,7 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 from slipstream.data.decode import as_uint8, read_rgb  # noqa: F401 (re-exported)
+from slipstream.data.geometry import Geometry
 from slipstream.data.stats import DATASET_NAMES, DATASET_STATS, Stats  # noqa: F401 (re-exported)
 from slipstream.data.synthetic import SyntheticShapes
 from slipstream.data.unreadable import SkippingImageFolder
@@ -54,7 +55,7 @@ def _from_torchvision_cifar(ds: datasets.CIFAR10, image_size: int) -> ImageArray
 
 
 def _cifar(
-    name: str, root: str | os.PathLike | None, image_size: int, download: bool
+    name: str, root: str | os.PathLike | None, image_size: int, download: bool, eval_size: int | None = None
 ) -> tuple[Dataset, Dataset, int]:
     cls = datasets.CIFAR10 if name == "cifar10" else datasets.CIFAR100
     if root is None:
@@ -89,25 +90,60 @@ def _cifar(
         ) from err
     return (
         _from_torchvision_cifar(train, image_size),
-        _from_torchvision_cifar(val, image_size),
+        _from_torchvision_cifar(val, eval_size or image_size),
         len(train.classes),
     )
 
 
-def _imagefolder(root: str | os.PathLike | None, image_size: int) -> tuple[Dataset, Dataset, int]:
+class Geometric(Dataset):
+    """``dataset``'s images cut as ``geometry`` says, per sample (its random crop seeded
+    by the SampleKey the loader's sampler gives)."""
+
+    def __init__(self, dataset: Dataset, geometry: Geometry) -> None:
+        self.dataset = dataset
+        self.geometry = geometry
+        self.keyed = geometry.random  # build_loader's sampler gives keys with the epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: int) -> tuple[torch.Tensor, int]:
+        image, target = self.dataset[int(key)]
+        return self.geometry.apply(image, key), target
+
+    @property
+    def classes(self) -> Any:
+        return getattr(self.dataset, "classes", None)
+
+
+def _cut(dataset: Dataset, geometry: Geometry | None) -> Dataset:
+    """``dataset`` as ``geometry`` cuts it; itself where the geometry takes it whole at its size."""
+    if geometry is None or (geometry.crop == "none" and not geometry.random and _sized(dataset, geometry.size)):
+        return dataset
+    return Geometric(dataset, geometry)
+
+
+def _sized(dataset: Dataset, size: int) -> bool:
+    images = getattr(dataset, "images", None)
+    stored = getattr(dataset, "image_size", None) or (images.shape[-1] if images is not None else None)
+    return stored == size
+
+
+def _imagefolder(
+    root: str | os.PathLike | None, train_geometry: Geometry, eval_geometry: Geometry
+) -> tuple[Dataset, Dataset, int]:
     layout = "<root>/train/<class>/*.jpg and <root>/val/<class>/*.jpg"
     if root is None:
         raise DataError(f"imagefolder needs data.root, laid out as {layout}")
-    # On the decoded uint8 tensor: the shorter side to image_size, then the centre.
-    tf = v2.Compose([v2.Resize(image_size), v2.CenterCrop(image_size)])
     splits = {}
     for split in ("train", "val"):
         path = Path(root) / split
         if not path.is_dir():
             raise DataError(f"imagefolder: {path} does not exist; expected {layout}")
+        geometry = train_geometry if split == "train" else eval_geometry
         try:
             # val is evaluated: an unreadable image is left out, not counted twice through a stand-in
-            splits[split] = SkippingImageFolder(str(path), transform=tf, loader=read_rgb, replace=split == "train")
+            splits[split] = SkippingImageFolder(str(path), geometry=geometry, replace=split == "train")
         except FileNotFoundError as err:  # no class folders or no images in them
             raise DataError(f"imagefolder: {err}; expected {layout}") from err
     train, val = splits["train"], splits["val"]
@@ -132,23 +168,30 @@ def build_datasets(
     val_size: int = 1000,
     download: bool = False,
     seed: int = 0,
+    train_geometry: Geometry | None = None,
+    eval_geometry: Geometry | None = None,
 ) -> tuple[Dataset, Dataset, int]:
     """Return `(train, val, num_classes)` for dataset `name`.
 
     `num_classes`, `train_size`, `val_size` and `seed` apply to `synthetic` only; the
-    real datasets report their own class count.
+    real datasets report their own class count. The geometries
+    (:mod:`slipstream.data.geometry`) cut each split's images; None: as before they
+    existed (the shorter side to ``image_size`` and the centre square).
     """
     if name == "synthetic":
         try:
             train = SyntheticShapes(train_size, image_size, num_classes, seed, "train")
-            val = SyntheticShapes(val_size, image_size, num_classes, seed, "val")
+            # Made at any resolution: the evaluation's is drawn at its own size.
+            eval_size = eval_geometry.size if eval_geometry else image_size
+            val = SyntheticShapes(val_size, eval_size, num_classes, seed, "val")
         except ValueError as err:
             raise DataError(f"synthetic: {err}") from err
-        return train, val, num_classes
+        return _cut(train, train_geometry), _cut(val, eval_geometry), num_classes
     if name in ("cifar10", "cifar100"):
-        return _cifar(name, root, image_size, download)
+        train, val, classes = _cifar(name, root, image_size, download, eval_geometry.size if eval_geometry else None)
+        return _cut(train, train_geometry), _cut(val, eval_geometry), classes
     if name == "imagefolder":
-        return _imagefolder(root, image_size)
+        return _imagefolder(root, train_geometry or Geometry(image_size), eval_geometry or Geometry(image_size))
     raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
 
 

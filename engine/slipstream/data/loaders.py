@@ -55,6 +55,7 @@ def build_loader(
         rank=rank,
         world_size=world_size,
         drop_last=drop_last,
+        keyed=bool(getattr(dataset, "keyed", False)),  # its samples' random crops need the epoch
     )
     return DataLoader(
         dataset,

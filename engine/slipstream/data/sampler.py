@@ -9,6 +9,7 @@ resuming at global batch k is just starting the same order k batches in.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +25,22 @@ def epoch_seed(seed: int, epoch: int) -> int:
     words = [seed % (1 << 64), epoch % (1 << 64)]
     state = np.random.SeedSequence(words).generate_state(2, dtype=np.uint32)
     return ((int(state[0]) << 32) | int(state[1])) & ((1 << 63) - 1)
+
+
+class SampleKey(int):
+    """A sample's index that carries the epoch it is read in (what a sampler built with
+    ``keyed=True`` yields): an ``int`` to every dataset, and the seed of its random crop
+    to one that asks."""
+
+    epoch: int
+
+    def __new__(cls, index: int, epoch: int = 0) -> SampleKey:
+        key = super().__new__(cls, index)
+        key.epoch = epoch
+        return key
+
+    def __reduce__(self) -> tuple[Any, ...]:  # to a worker and back, epoch included
+        return SampleKey, (int(self), self.epoch)
 
 
 class EpochSampler(Sampler[int]):
@@ -55,6 +72,7 @@ class EpochSampler(Sampler[int]):
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = True,
+        keyed: bool = False,
     ) -> None:
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0; got {num_samples}")
@@ -71,6 +89,9 @@ class EpochSampler(Sampler[int]):
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last
+        # Indices as SampleKeys that carry the epoch (a dataset with per-sample random
+        # crops seeds them from it, in whichever worker reads the sample).
+        self.keyed = keyed
         self.epoch = 0
         self.start_batch = 0
         # The loader draws its workers' base seed from this generator when an iterator is
@@ -121,7 +142,10 @@ class EpochSampler(Sampler[int]):
         order = self.permutation()
         for b in range(self.start_batch, self.batches_per_epoch):
             lo, hi = self._rank_slice(b)
-            yield from order[lo:hi].tolist()
+            if self.keyed:
+                yield from (SampleKey(i, self.epoch) for i in order[lo:hi].tolist())
+            else:
+                yield from order[lo:hi].tolist()
 
     def __len__(self) -> int:
         full = self.num_samples // self.global_batch_size

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from slipstream.data.stats import BUILTIN_SUMMARIES, Stats  # noqa: F401 (re-exported)
@@ -44,6 +44,17 @@ class DataConfig:
     persistent_workers: bool = False
     drop_last: bool = True
     normalize: bool = True  # normalise on the device with the dataset's mean/std
+    # The images' geometry (slipstream.data.geometry); null: the dataset's own default
+    # (DatasetPlugin.photos: a random resized crop, flips and timm's 0.875 centre crop
+    # for photos, the images as they are for data made at its size).
+    train_crop: Optional[str] = None  # random_resized | center | none
+    scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # random_resized: area fraction
+    ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333])  # random_resized: aspect ratio
+    interpolation: str = "bilinear"  # bilinear | bicubic
+    hflip: Optional[float] = None  # probability of a horizontal flip in training
+    eval_image_size: Optional[int] = None  # null: image_size
+    crop_pct: Optional[float] = None  # evaluation: the centre crop's fraction of the shorter side
+    reduced_decoding: bool = True  # JPEG decoded at 1/2, 1/4 or 1/8 scale where the crop allows
 
 
 # DataConfig's keys that only some dataset plugins read: those whose config_class

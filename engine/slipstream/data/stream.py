@@ -153,6 +153,8 @@ class _EpochStream(IterableDataset):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = get_worker_info()
         w = info.id if info is not None else 0
+        if hasattr(self.source, "set_epoch"):  # a source whose random crops are per (sample, epoch)
+            self.source.set_epoch(self.epoch)
         total = sum(self.source.shard_sizes)
         r0, r1 = _rank_range(total, self.rank, self.world_size)
         batches = batches_for(r1 - r0, self.batch_size, self.drop_last, total, self.world_size)

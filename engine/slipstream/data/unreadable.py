@@ -14,6 +14,7 @@ from typing import Any
 from torchvision import datasets
 
 from slipstream.data.decode import SkipLog
+from slipstream.data.geometry import Geometry
 from slipstream.errors import DataError
 
 
@@ -23,8 +24,12 @@ class SkippingImageFolder(datasets.ImageFolder):
     (A batch none of whose images can be read still gets stand-ins: a batch of none is
     no batch.)"""
 
-    def __init__(self, *args: Any, replace: bool = True, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, root: str, geometry: Geometry, *, replace: bool = True) -> None:
+        # Files are opened by the geometry, which crops while it decodes (the loader
+        # only names them).
+        super().__init__(root, loader=str)
+        self.geometry = geometry
+        self.keyed = geometry.random  # build_loader's sampler gives keys with the epoch
         self.replace = replace
         # per process: DataLoader workers keep their own
         self.log = SkipLog("image's class" if replace else None)
@@ -33,6 +38,11 @@ class SkippingImageFolder(datasets.ImageFolder):
         for i, target in enumerate(self.targets):
             start, _ = self._spans.get(target, (i, i))
             self._spans[target] = (start, i + 1)
+
+    def _load(self, i: int, key: int) -> tuple[Any, int]:
+        """Image ``i``, cut with the random draws of sample ``key`` (a stand-in keeps them)."""
+        path, target = self.samples[i]
+        return self.geometry.load(path, key), target
 
     @property
     def skipped(self) -> list[str]:
@@ -46,7 +56,7 @@ class SkippingImageFolder(datasets.ImageFolder):
         items = []
         for i in indices:
             try:
-                items.append(super().__getitem__(i))
+                items.append(self._load(i, i))
             except (OSError, SyntaxError, DataError) as exc:
                 self.log.warn(self.samples[i][0], " ".join(str(exc).split()) or type(exc).__name__)
         return items or [self[i] for i in indices]
@@ -58,7 +68,7 @@ class SkippingImageFolder(datasets.ImageFolder):
         for offset in range(size):
             i = start + (index - start + offset) % size
             try:
-                return super().__getitem__(i)
+                return self._load(i, index)
             except (OSError, SyntaxError, DataError) as exc:
                 # The loader names an undecodable file in a DataError; PIL reports
                 # truncated files as OSError and some corrupt headers as SyntaxError.

@@ -28,6 +28,17 @@ class DataRequest:
     seed: int = 0
     rank: int = 0
     world_size: int = 1
+    # How training and evaluation images are cut to size (slipstream.data.geometry.Geometry);
+    # None: the shorter side to image_size and the centre square, as before these existed.
+    train_geometry: Any = None
+    eval_geometry: Any = None
+
+    def geometry(self, split: str) -> Any:
+        """The ``train`` or ``eval`` geometry, the plain centre crop where none is given."""
+        from slipstream.data.geometry import Geometry
+
+        given = self.train_geometry if split == "train" else self.eval_geometry
+        return given if given is not None else Geometry(self.image_size, seed=self.seed)
 
 
 @dataclass
@@ -60,6 +71,10 @@ class DatasetPlugin(Plugin):
     locations: ClassVar[tuple[str, ...]] = ()
     # The classes it has whatever its options (cifar10's 10); None: only its data says.
     num_classes: ClassVar[Optional[int]] = None
+    # Whether its images are photos of any size (a random resized crop and flips for
+    # training, timm's 0.875 centre crop for evaluation by default), or made at their
+    # size (synthetic, CIFAR: taken whole).
+    photos: ClassVar[bool] = False
     # Whether it streams its samples (its own loader, not the engine's map-style one):
     # a stream's loader starts its workers each epoch, so data.persistent_workers is not read.
     streams: ClassVar[bool] = False

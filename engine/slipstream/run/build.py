@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from slipstream.config.options import check_output_dir
 from slipstream.config.schema import RunSpec, to_dict
+from slipstream.data.geometry import geometries
 from slipstream.data.sources import DATASETS_GROUP, DataRequest, build_dataset_plugin
 from slipstream.distributed import from_rank0
 from slipstream.errors import ConfigError, DataError
@@ -83,6 +84,7 @@ def build_trainer(
 
 def _build_data(dataset: Any, cfg: DictConfig, process: Any) -> Any:
     d = cfg.data
+    train_geometry, eval_geometry = geometries(d, type(dataset).photos, seed=cfg.trainer.seed)
     request = DataRequest(
         image_size=d.image_size,
         batch_size=d.batch_size,
@@ -94,6 +96,8 @@ def _build_data(dataset: Any, cfg: DictConfig, process: Any) -> Any:
         seed=cfg.trainer.seed,
         rank=process.rank,
         world_size=process.world_size,
+        train_geometry=train_geometry,
+        eval_geometry=eval_geometry,
     )
     try:
         return dataset.build(request)

@@ -62,6 +62,15 @@ class Rebuilt:
     def model(self) -> nn.Module:
         return self.trainer.state.unwrapped_model
 
+    @property
+    def eval_geometry(self) -> Any:
+        """How the evaluation's images are cut (their size and crop_pct)."""
+        from slipstream.data.geometry import geometries
+        from slipstream.data.sources import dataset_class
+
+        data = self.trainer.config.get("data") or {}
+        return geometries(data, dataset_class(str(data.get("name"))).photos)[1]
+
     def inputs(self, count: int = 2) -> torch.Tensor:
         """``count`` eval inputs as the model receives them (on the device,
         normalised, in the run's memory format)."""
@@ -237,6 +246,9 @@ def evaluate_checkpoint(
         "epoch": ts.get("epoch"),
         "batch": ts.get("batch"),
         "data": rebuilt.trainer.config.get("data", {}).get("name"),
+        # The evaluation's geometry: its size and the centre crop's share of the shorter side.
+        "eval_image_size": rebuilt.eval_geometry.size,
+        "crop_pct": rebuilt.eval_geometry.crop_pct,
     }
     if output is not None:
         atomic_write_text(output, strict_json(result, indent=2) + "\n")
