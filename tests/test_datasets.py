@@ -650,3 +650,21 @@ def test_issue_41_an_index_that_does_not_match_its_shards_is_one_line(data, tmp_
                  "data.num_workers=0", f"trainer.run_dir={run}", "trainer.max_duration=1ba"]) == 2  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert "none.json does not exist" in err and "\n" not in err and not run.exists()
+
+
+@pytest.mark.parametrize("source", ["wds", "hf"])
+def test_issue_41_random_crops_of_a_plugin_dataset_are_per_sample_and_epoch(data, source) -> None:
+    """Issue 41: a shard stream's and a Hugging Face table's random crops are seeded by
+    (seed, epoch, sample): the same with any number of workers, others next epoch."""
+    from slipstream.data import Geometry
+
+    crops = Geometry(SIZE, crop="random_resized", hflip=0.5, seed=5)
+
+    def prints(workers: int, number: int) -> list[str]:
+        loader = built(data[source], seed=5, num_workers=workers, train_geometry=crops).train
+        return epoch_prints(loader, number)
+
+    first = prints(0, 0)
+    assert sorted(prints(2, 0)) == sorted(first)  # a stream's order depends on its workers, not its crops
+    assert sorted(prints(0, 1)) != sorted(first)
+    assert not set(first) <= data["every"]  # cropped, not the stored images
