@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -360,6 +361,18 @@ class GpuAugmentation(Algorithm):
         super().__init__(config)
         self.pipeline = build_augmentation(self.config)
         self._device = torch.device("cpu")
+
+    @hookimpl
+    def init(self, state: State) -> None:
+        data = (state.config or {}).get("data") or {}
+        crops = any(spec.get("name") == "RandomResizedCrop" for spec in _specs(self.config))
+        if crops and data.get("train_crop") == "random_resized":
+            warnings.warn(
+                "slipstream: gpu_augmentation crops batches the loader has already cropped at random "
+                "(data.train_crop=random_resized): each image is cropped twice; set data.train_crop=center "
+                "and data.hflip=0 to crop only on the device, or use preset: custom without RandomResizedCrop",
+                stacklevel=2,
+            )
 
     @hookimpl
     def batch_start(self, state: State) -> None:

@@ -322,3 +322,21 @@ def test_tensors_kept_in_a_generators_samplers_move_with_the_pipeline():
     outs = [augment_batch(x, pipeline, seed) for seed in range(30)]
     assert all(o.shape == x.shape and o.dtype == torch.float32 for o in outs)
     assert not torch.equal(outs[0], outs[1])
+
+
+def test_a_second_random_crop_after_the_loaders_is_warned_about():
+    """Issue 41: a photo dataset's loader crops at random by default; the plugin's own
+    RandomResizedCrop would crop each image again without a word."""
+    import warnings
+
+    from slipstream import State
+
+    plugin = GpuAugmentation()
+    state = State.__new__(State)
+    state.config = {"data": {"train_crop": "random_resized"}}
+    with pytest.warns(UserWarning, match="gpu_augmentation crops batches the loader has already cropped at random"):
+        plugin.init(state)
+    state.config = {"data": {"train_crop": "center"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plugin.init(state)

@@ -66,6 +66,15 @@ def build_trainer(
     model, optimizer, loss_fn = _build_model(cfg, data.num_classes, process.device)
     resolved = to_dict(cfg)
     resolved["model"]["num_classes"] = data.num_classes
+    # What ran, the dataset's defaults filled in: config.yaml (and a plugin reading
+    # state.config) sees the crop the loader takes.
+    train_geometry, eval_geometry = geometries(cfg.data, type(dataset).photos)
+    resolved["data"].update(
+        train_crop=train_geometry.crop,
+        hflip=train_geometry.hflip,
+        eval_image_size=eval_geometry.size,
+        crop_pct=eval_geometry.crop_pct,
+    )
     algorithms, callbacks = plugins
     return Trainer(
         model=model,
