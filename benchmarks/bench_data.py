@@ -14,10 +14,13 @@ pipeline: torchvision `ImageFolder`; `webdataset.WebDataset(...).decode("pil")`;
     .venv/bin/python benchmarks/bench_data.py            # a few minutes idle
     .venv/bin/python benchmarks/bench_data.py --workers 2
     .venv/bin/python benchmarks/bench_data.py --quick
+    .venv/bin/python benchmarks/bench_data.py --against timm [--quick]   # bench_data_timm.py:
+        224 px training crops from JPEG shards, Slipstream's loader against timm's
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 import time
@@ -100,6 +103,14 @@ def theirs(kind: str, options: dict, size: int, batch: int, workers: int) -> Ite
 
 
 def main() -> None:
+    against = argparse.ArgumentParser(add_help=False)
+    against.add_argument("--against", choices=["timm"])
+    chosen, rest = against.parse_known_args()
+    if chosen.against == "timm":
+        from bench_data_timm import main as against_timm
+
+        against_timm(rest)
+        return
     args = image_folder_args(__doc__.splitlines()[0])
     print(
         f"{args.per_class * 10} JPEG images of {args.source[0]}x{args.source[1]} -> {args.size} px, "
