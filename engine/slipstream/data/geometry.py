@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,6 @@ import numpy as np
 import torch
 from PIL import Image
 from torchvision.transforms import InterpolationMode, v2
-from torchvision.transforms import RandomResizedCrop as _RandomResizedCrop
 
 from slipstream.data.decode import _reason
 from slipstream.data.sampler import SampleKey, epoch_seed
@@ -73,29 +73,24 @@ class Geometry:
         return self.crop == "random_resized" or self.hflip > 0
 
     # -- the box -----------------------------------------------------------------------
-    def box(self, width: int, height: int, rng: torch.Generator | None) -> tuple[float, float, float, float]:
+    def box(self, width: int, height: int, rng: random.Random | None) -> tuple[float, float, float, float]:
         """(left, top, right, bottom) of the crop in an upright ``width`` x ``height`` image."""
         if self.crop == "random_resized":
-            shape = torch.empty(1, 1, 1).expand(1, height, width)  # a size, no pixels
-            with torch.random.fork_rng(devices=[]):
-                if rng is not None:
-                    torch.manual_seed(int(rng.initial_seed()))
-                top, left, h, w = _RandomResizedCrop.get_params(shape, list(self.scale), list(self.ratio))
-            return float(left), float(top), float(left + w), float(top + h)
+            return _random_resized_box(width, height, self.scale, self.ratio, rng or random.Random(0))
         if self.crop == "none":
             return 0.0, 0.0, float(width), float(height)
         side = min(width, height) * self.crop_pct
         left, top = (width - side) / 2, (height - side) / 2
         return left, top, left + side, top + side
 
-    def generator(self, key: Any) -> torch.Generator | None:
+    def generator(self, key: Any) -> random.Random | None:
         """The sample's own generator (None where nothing is random): its seed mixes the
         run's seed, the epoch and the sample (a SampleKey; a bare index is epoch 0)."""
         if not self.random:
             return None
         epoch = getattr(key, "epoch", 0)
         sample = int(key) if isinstance(key, int) else _stable_hash(str(key))
-        return torch.Generator().manual_seed(epoch_seed(epoch_seed(self.seed, epoch), sample))
+        return random.Random(epoch_seed(epoch_seed(self.seed, epoch), sample))
 
     # -- images --------------------------------------------------------------------------
     def load(self, source: str | Path | bytes | bytearray | memoryview, key: Any = 0) -> torch.Tensor:
@@ -104,7 +99,8 @@ class Geometry:
         rng = self.generator(key)
         opened = io.BytesIO(bytes(source)) if isinstance(source, (bytes, bytearray, memoryview)) else source
         with Image.open(opened) as image:
-            orientation = image.getexif().get(_EXIF_ORIENTATION, 1) if image.format in ("JPEG", "TIFF", "WEBP") else 1
+            # Parsed only where the file has EXIF data (most photos' cost is the decode).
+            orientation = image.getexif().get(_EXIF_ORIENTATION, 1) if "exif" in image.info else 1
             raw_w, raw_h = image.size
             upright = (raw_h, raw_w) if orientation in (5, 6, 7, 8) else (raw_w, raw_h)
             left, top, right, bottom = self.box(*upright, rng)
@@ -117,7 +113,7 @@ class Geometry:
                 image = image.transpose(_ORIENTATIONS[orientation])
             box = (left / shrink, top / shrink, right / shrink, bottom / shrink)
             out = image.resize((self.size, self.size), INTERPOLATIONS[self.interpolation], box=box)
-        if rng is not None and self.hflip and torch.rand((), generator=rng).item() < self.hflip:
+        if rng is not None and self.hflip and rng.random() < self.hflip:
             out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return torch.from_numpy(np.array(out)).permute(2, 0, 1)
 
@@ -150,7 +146,7 @@ class Geometry:
                 interpolation=_TENSOR_INTERPOLATIONS[self.interpolation],
                 antialias=True,
             )
-        if rng is not None and self.hflip and torch.rand((), generator=rng).item() < self.hflip:
+        if rng is not None and self.hflip and rng.random() < self.hflip:
             out = v2.functional.horizontal_flip(out)
         return out
 
@@ -164,6 +160,33 @@ def _rgb(image: Image.Image) -> Image.Image:
         grey = np.clip(np.rint(values * (255.0 / top)), 0, 255).astype(np.uint8)
         return Image.fromarray(grey, "L").convert("RGB")
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def _random_resized_box(
+    width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float], rng: random.Random
+) -> tuple[float, float, float, float]:
+    """torchvision's ``RandomResizedCrop.get_params``, drawn from ``rng`` (its own draws
+    come from torch's global generator, which a per-sample seed would have to reset: a
+    fifth of an image's decode in this loop)."""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top, left = rng.randint(0, height - h), rng.randint(0, width - w)
+            return float(left), float(top), float(left + w), float(top + h)
+    # Fallback: the centre crop of the whole image, its aspect ratio held to ``ratio``.
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, round(width / min(ratio))
+    elif in_ratio > max(ratio):
+        w, h = round(height * max(ratio)), height
+    else:
+        w, h = width, height
+    left, top = (width - w) // 2, (height - h) // 2
+    return float(left), float(top), float(left + w), float(top + h)
 
 
 def sample_key(name: str, epoch: int) -> SampleKey:
