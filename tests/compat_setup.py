@@ -89,6 +89,7 @@ PROBES = {
     "mixed_precision": lambda s: _all([d == torch.bfloat16 for d in s.output_dtypes], f"outputs {s.output_dtypes}"),
     "mixup": _changed,
     "sam": lambda s: None if s.summary.get("sam_steps") else "no SAM step",
+    "stochastic_depth": lambda s: None if s.summary.get("stochastic_depth", {}).get("blocks") else "no block dropped",
     "stepwise_lr": lambda s: None if len(set(s.lrs)) > 1 else f"LR constant {set(s.lrs)}",
     "torch_compile": lambda s: None if s.summary.get("compile_time_s") else "not compiled",
 }
