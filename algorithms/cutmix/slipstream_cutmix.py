@@ -13,6 +13,10 @@ Targets become class probabilities ``(N, num_classes)`` exactly as with
 cross-entropy takes them, ``label_smoothing`` smooths them, evaluation is not
 touched, and every draw comes from a generator seeded per batch, so a resumed run
 continues exactly.
+
+With ``mixup`` in the same run the two switch per batch, as timm's Mixup does
+(``switch_prob``, its ``--mixup-switch-prob``): a draw seeded per batch picks CutMix
+with probability ``switch_prob`` and MixUp otherwise, never both.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ class CutmixConfig:
     minmax: Optional[list[float]] = plugin_option(None, low=0, high=1, low_open=True, items=True)
     # None: the run's (model.num_classes, or the model's head)
     num_classes: Optional[int] = plugin_option(None, low=2, whole=True, note="or null: the run's")
+    # With mixup enabled too: the share of batches that are CutMix's (the rest are
+    # MixUp's), timm's --mixup-switch-prob. Unused without mixup.
+    switch_prob: float = plugin_option(0.5, low=0, high=1, note="with mixup: the share of batches cut")
 
     def __post_init__(self) -> None:
         check_plugin_options(self)
@@ -108,9 +115,8 @@ class Cutmix(BatchMixing):
 
     name = "cutmix"
     config_class = CutmixConfig
-    # Both replace the batch and its targets at batch_start: the second would mix
-    # already-mixed soft targets. timm's Mixup switches between them per batch instead.
-    conflicts_with = {"mixup": "both mix every batch and its labels; the second would mix mixed labels"}
+    # With mixup: one of the two mixes each batch (switch_prob), never both.
+    switch_partner = "mixup"
 
     def mix(
         self, inputs: torch.Tensor, targets: torch.Tensor, rng: np.random.Generator

@@ -89,6 +89,20 @@ def mixup_batch(
     return torch.lerp(x.roll(1, 0), x, lam), mix_targets(targets, num_classes, lam), lam
 
 
+# The per-batch draw that picks cutmix or mixup when both are enabled: a stream of its
+# own, so neither plugin's draws (whether to mix, lam, the box) change with the switch.
+SWITCH_STREAM = "mixup_cutmix_switch"
+
+
+def switch_to_cutmix(seed: int, rank: int, batch: int, switch_prob: float) -> bool:
+    """Whether batch ``batch`` of ``rank`` is CutMix's (else MixUp's) when both are
+    enabled: a uniform draw seeded with ``batch_seed(seed, rank, batch,
+    SWITCH_STREAM)`` is below ``switch_prob`` (0: always MixUp, 1: always CutMix).
+    Both plugins compute it, so exactly one of them mixes each batch."""
+    u = np.random.default_rng(batch_seed(seed, rank, batch, SWITCH_STREAM)).random()
+    return bool(u < switch_prob)
+
+
 def infer_num_classes(state: State) -> int | None:
     """The run's number of classes: ``model.num_classes`` of the config, the
     model's own ``num_classes`` (timm), or the width of its last linear layer."""
@@ -140,16 +154,34 @@ class BatchMixing(Algorithm):
 
     # Mix the final training images: after resizing and per-sample augmentation.
     runs_after = ("image_size_curriculum", "gpu_augmentation")
+    # The mixing plugin this one switches with per batch when both are enabled.
+    switch_partner: str = ""
 
     def __init__(self, config: Any = None) -> None:
         super().__init__(config)
         self.num_classes = 0
+        self.cutmix: Optional[BatchMixing] = None  # set when cutmix and mixup share the run
 
     @hookimpl
     def init(self, state: State) -> None:
         # Checked here, before the run directory is written; fit_start takes the
         # value once every plugin's init has shaped the model.
         resolve_num_classes(self.name, state, self.config.num_classes)
+        partner = next(
+            (a for a in state.algorithms if a.name == self.switch_partner and isinstance(a, BatchMixing)),
+            None,
+        )
+        self.cutmix = None if partner is None else (self if self.name == "cutmix" else partner)
+
+    def mixes_this_batch(self, state: State) -> bool:
+        """Alone: always (its own ``prob`` decides then). With its partner: when the
+        per-batch switch draw picks this plugin (:func:`switch_to_cutmix`)."""
+        if self.cutmix is None:
+            return True
+        to_cutmix = switch_to_cutmix(
+            state.seed, state.rank, state.timestamp.batch, self.cutmix.config.switch_prob
+        )
+        return to_cutmix == (self is self.cutmix)
 
     @hookimpl
     def fit_start(self, state: State) -> None:
@@ -158,6 +190,8 @@ class BatchMixing(Algorithm):
     @hookimpl
     def batch_start(self, state: State) -> None:
         # Training batches only: evaluation fires eval_batch_start, left alone.
+        if not self.mixes_this_batch(state):
+            return  # cutmix and mixup together: this batch is the other's
         rng = np.random.default_rng(batch_seed(state.seed, state.rank, state.timestamp.batch, self.name))
         if rng.random() >= self.config.prob:
             return
@@ -177,10 +211,8 @@ class Mixup(BatchMixing):
 
     name = "mixup"
     config_class = MixupConfig
-    # One mixing per batch: both at once would mix twice (see the card).
-    # Both replace the batch and its targets at batch_start: the second would mix
-    # already-mixed soft targets. timm's Mixup switches between them per batch instead.
-    conflicts_with = {"cutmix": "both mix every batch and its labels; the second would mix mixed labels"}
+    # With cutmix: one of the two mixes each batch (algorithms.cutmix.switch_prob).
+    switch_partner = "cutmix"
 
     def mix(
         self, inputs: torch.Tensor, targets: torch.Tensor, rng: np.random.Generator

@@ -1,6 +1,7 @@
 """cutmix: a box of each image's neighbour is pasted in and the labels mixed by the
 box's area, reproducibly and bit-exactly across a resume; evaluation is untouched; it
-composes with label_smoothing and conflicts with mixup; bad config fails early."""
+composes with label_smoothing; with mixup the two switch per batch (switch_prob), never
+both on one batch; bad config fails early."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from slipstream_cutmix import Cutmix, cutmix_batch, cutmix_box
 from slipstream_label_smoothing import LabelSmoothing, LabelSmoothingConfig
-from slipstream_mixup import Mixup, mix_targets
+from slipstream_mixup import Mixup, mix_targets, switch_to_cutmix
 
 from helpers import Probe, tiny_loaders
 from helpers import train as _train
-from slipstream import ConfigError, PluginError
+from slipstream import ConfigError
 from slipstream.plugins.discovery import PluginInfo, discover, plugin_config, resolve_order
 
 RAW_TRAIN, RAW_EVAL = (torch.cat([x for x, _ in loader]) for loader in tiny_loaders())
@@ -87,6 +88,7 @@ def test_the_box_follows_lambda_and_is_clipped_and_minmax_bounds_its_sides():
         ({"prob": -0.1}, "algorithms.cutmix: prob must be a finite number in [0, 1]"),
         ({"minmax": [0.5, 0.2]}, "algorithms.cutmix: minmax must be null or [min, max]"),
         ({"minmax": [0.2]}, "algorithms.cutmix: minmax must be null or [min, max]"),
+        ({"switch_prob": 1.5}, "algorithms.cutmix: switch_prob must be a finite number in [0, 1]"),
     ],
 )
 def test_bad_config_names_the_key(options, message):
@@ -95,12 +97,18 @@ def test_bad_config_names_the_key(options, message):
     assert str(info.value).startswith(message)
 
 
-def test_mixup_and_cutmix_together_are_refused_naming_both():
-    why = r"\(both mix every batch and its labels.*\)"
-    with pytest.raises(PluginError, match=rf"'mixup' conflicts with 'cutmix' {why}; enable only one of them"):
-        resolve_order([Mixup(), Cutmix()])
-    with pytest.raises(PluginError, match="'cutmix' conflicts with 'mixup'"):
-        resolve_order([Cutmix(), Mixup()])
+def test_mixup_and_cutmix_together_are_no_longer_refused():
+    assert [a.name for a in resolve_order([Mixup(), Cutmix()])] == ["mixup", "cutmix"]
+    assert [a.name for a in resolve_order([Cutmix(), Mixup()])] == ["cutmix", "mixup"]
+
+
+def test_the_switch_draw_is_seeded_per_batch_and_its_probability_bounds_it():
+    draws = [switch_to_cutmix(3, 0, b, 0.5) for b in range(64)]
+    assert draws == [switch_to_cutmix(3, 0, b, 0.5) for b in range(64)]
+    assert draws != [switch_to_cutmix(4, 0, b, 0.5) for b in range(64)]
+    assert 16 < sum(draws) < 48
+    assert not any(switch_to_cutmix(3, 0, b, 0.0) for b in range(64))
+    assert all(switch_to_cutmix(3, 0, b, 1.0) for b in range(64))
 
 
 # -- in training -----------------------------------------------------------------------
@@ -150,3 +158,63 @@ def test_composes_with_label_smoothing(tmp_path):
         expected = -(target * out.log_softmax(dim=1)).sum(dim=1).mean()
         assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
         assert loss.item() != pytest.approx(F.cross_entropy(out, soft).item(), rel=1e-4)
+
+
+# -- with mixup: one of the two per batch ----------------------------------------------
+
+
+def _kind(x, soft, raw, labels) -> str:
+    """Which mixing a batch got: 'cutmix' (every pixel its own or its neighbour's, the
+    labels mixed by the changed area), 'mixup' (the lerp of the labels' lam) or 'none'."""
+    if torch.equal(x, raw):
+        return "none"
+    if bool(((x == raw) | (x == raw.roll(1, 0))).all()):
+        changed = (x != raw).any(dim=(0, 1))
+        rows, cols = changed.any(dim=1).nonzero(), changed.any(dim=0).nonzero()
+        area = (int(rows.max()) + 1 - int(rows.min())) * (int(cols.max()) + 1 - int(cols.min()))
+        assert torch.allclose(soft, mix_targets(labels, K, 1 - area / x[0, 0].numel()))
+        return "cutmix"
+    lam = soft[0, labels[0]].item()  # neighbours are of different classes in this data
+    assert torch.allclose(x, torch.lerp(raw.roll(1, 0), raw, lam), atol=1e-6)  # mixed once, not cut too
+    assert torch.allclose(soft, mix_targets(labels, K, lam))
+    return "mixup"
+
+
+def switched(tmp_path, switch_prob=0.5, batches=8, **kwargs):
+    mix = Mixup(plugin_config(Mixup, {"alpha": 1.0}))
+    algos = [mix, cutmix(switch_prob=switch_prob)]
+    seen, trainer = seen_batches(tmp_path, algos, max_duration=f"{batches}ba", **kwargs)
+    raw, labels = RAW_TRAIN.split(16), LABELS.split(16)
+    kinds = [_kind(x, soft, raw[i % 4], labels[i % 4]) for i, (x, soft, *_) in enumerate(seen)]
+    return kinds, seen, trainer
+
+
+def test_with_mixup_each_batch_is_cut_or_mixed_as_the_seeded_draw_says_never_both(tmp_path):
+    kinds, seen, trainer = switched(tmp_path / "a")
+    seed = trainer.state.seed
+    expected = ["cutmix" if switch_to_cutmix(seed, 0, b, 0.5) else "mixup" for b in range(8)]
+    assert kinds == expected and set(kinds) == {"cutmix", "mixup"}  # both kinds, one per batch
+    again, seen_again, _ = switched(tmp_path / "b")  # the same seed: the same choices and batches
+    assert again == kinds
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(seen, seen_again, strict=True))
+
+
+@pytest.mark.parametrize(("switch_prob", "kind"), [(0.0, "mixup"), (1.0, "cutmix")])
+def test_switch_prob_0_is_always_mixup_and_1_always_cutmix(tmp_path, switch_prob, kind):
+    kinds, _, _ = switched(tmp_path, switch_prob=switch_prob, batches=4)
+    assert kinds == [kind] * 4
+
+
+def test_the_switch_resumes_bit_exactly(tmp_path):
+    def algos():
+        return [Mixup(plugin_config(Mixup, {"alpha": 1.0})), cutmix()]
+
+    whole, straight = seen_batches(tmp_path / "whole", algos(), max_duration="6ba", checkpoint_interval=None)
+    first = train(tmp_path / "half", algos(), max_duration="3ba", checkpoint_interval="3ba")
+    latest = first.run_dir / "checkpoints" / "latest.pt"
+    resumed, trainer = seen_batches(tmp_path / "half", algos(), max_duration="6ba", load_path=latest)
+    assert len(resumed) == 3
+    for a, b in zip(whole[3:], resumed, strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    for p, q in zip(straight.state.model.parameters(), trainer.state.model.parameters(), strict=True):
+        assert torch.equal(p, q)
