@@ -56,9 +56,23 @@ def _changed(seen: Observed) -> str | None:
 def _grows(seen: Observed) -> str | None:
     sizes = [s[-1] for s in seen.input_shapes]
     full = seen.raw_shapes[0][-1]
-    if not (sizes[0] < full and sizes[-1] == full and sizes == sorted(sizes)):
+    # It ends at the loader's size, or below it by a constant share where a plugin after
+    # it drops rows and columns (colout).
+    if not (sizes[0] < sizes[-1] <= full and sizes == sorted(sizes)):
         return f"input sizes {sizes}, loader's {full}"
     return None if {s[-1] for s in seen.eval_shapes} == {full} else f"eval sizes {seen.eval_shapes}"
+
+
+def _reshaped(seen: Observed) -> bool:
+    """A plugin changed the training images' size, so that values cannot be compared."""
+    return any(s != r for s, r in zip(seen.input_shapes, seen.raw_shapes, strict=False))
+
+
+def _dropped(seen: Observed) -> str | None:
+    full = seen.raw_shapes[0]
+    if not all(s[-1] < full[-1] and s[-2] < full[-2] for s in seen.input_shapes):
+        return f"input sizes {seen.input_shapes}, loader's {full}"
+    return None if {tuple(s[-2:]) for s in seen.eval_shapes} == {tuple(full[-2:])} else f"eval {seen.eval_shapes}"
 
 
 def _smoothed(seen: Observed) -> str | None:
@@ -78,7 +92,9 @@ PROBES = {
     "channels_last": lambda s: _all(s.inputs_channels_last, "inputs are not channels-last"),
     "cutmix": _changed,
     "ema": lambda s: None if s.summary.get("ema") else "no average kept",
-    "gpu_augmentation": lambda s: None if any(s.inputs_changed) else "no batch changed",
+    "blurpool": lambda s: None if (s.summary.get("blurpool") or {}).get("layers") else "nothing blurred",
+    "colout": _dropped,
+    "gpu_augmentation": lambda s: None if any(s.inputs_changed) or _reshaped(s) else "no batch changed",
     # Groups of 2 restart with each epoch of 3 batches: 2 steps an epoch.
     "grad_accumulation": lambda s: None if s.optimizer_steps * 3 == s.batches * 2 else f"{s.optimizer_steps} steps",
     "grad_clipping": _clipped,
