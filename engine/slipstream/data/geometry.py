@@ -25,15 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.transforms import InterpolationMode, v2
 
-from slipstream.data.decode import _reason
 from slipstream.data.sampler import SampleKey, epoch_seed
 from slipstream.errors import DataError
 
 TRAIN_CROPS = ("random_resized", "center", "none")
 INTERPOLATIONS = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
-_TENSOR_INTERPOLATIONS = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC}
 # EXIF orientation -> the transpose that makes the image upright.
 _ORIENTATIONS = {
     2: Image.Transpose.FLIP_LEFT_RIGHT,
@@ -125,11 +122,16 @@ class Geometry:
         try:
             return self.load(data, key)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+            from slipstream.data.decode import _reason
+
             raise DataError(f"cannot decode {name}: {_reason(err)}") from None
 
     def apply(self, image: torch.Tensor, key: Any = 0) -> torch.Tensor:
         """The same crop and flip of an image already decoded (a uint8 ``C x H x W``
         tensor, as CIFAR's and the synthetic shapes are held)."""
+        # torchvision only here: checking a config (geometries) must not import it.
+        from torchvision.transforms import InterpolationMode, v2
+
         rng = self.generator(key)
         height, width = image.shape[-2:]
         if self.crop == "none" and (height, width) == (self.size, self.size):
@@ -143,7 +145,7 @@ class Geometry:
                 round(bottom - top),
                 round(right - left),
                 [self.size, self.size],
-                interpolation=_TENSOR_INTERPOLATIONS[self.interpolation],
+                interpolation=InterpolationMode(self.interpolation),
                 antialias=True,
             )
         if rng is not None and self.hflip and rng.random() < self.hflip:
