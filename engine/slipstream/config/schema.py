@@ -3,7 +3,9 @@ defaults < recipe (with ``extends``) < ``--algorithms`` / ``--callbacks`` < dott
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 import os
 import types
@@ -353,6 +355,13 @@ def build_config(
     return cfg
 
 
+@functools.lru_cache(maxsize=1)
+def _defaults() -> DictConfig:
+    """The structured defaults of a run's config, made once (a fifth of a command's
+    config time): callers copy it before changing it."""
+    return OmegaConf.structured(RunConfig)
+
+
 def build_run(
     recipe: str | Path | None = None,
     algorithms: str | None = None,
@@ -361,7 +370,7 @@ def build_run(
     base: dict[str, Any] | None = None,
 ) -> RunSpec:
     """:func:`build_config`, with the trainer settings it validated."""
-    merged = OmegaConf.structured(RunConfig)
+    merged = copy.deepcopy(_defaults())  # a copy: the data section is opened below
     # The chosen dataset plugin's own keys join the data section (checked in validate).
     OmegaConf.set_struct(merged.data, False)
     layers: list[tuple[str, dict[str, Any]]] = []
@@ -639,7 +648,7 @@ def _only_at_the_end(interval: Any, max_duration: Any) -> bool:
 
 def warn_no_ops(cfg: DictConfig) -> None:
     """Warn about settings changed from their default that this run would ignore."""
-    defaults = OmegaConf.structured(RunConfig)
+    defaults = _defaults()
 
     def changed(key: str) -> bool:
         return OmegaConf.select(cfg, key) != OmegaConf.select(defaults, key)
