@@ -82,12 +82,11 @@ class Geometry:
 
     def generator(self, key: Any) -> random.Random | None:
         """The sample's own generator (None where nothing is random): its seed mixes the
-        run's seed, the epoch and the sample (a SampleKey; a bare index is epoch 0)."""
+        run's seed, the epoch and the sample (a SampleKey, or :func:`sample_key` of a
+        stream's sample name; a bare index is epoch 0)."""
         if not self.random:
             return None
-        epoch = getattr(key, "epoch", 0)
-        sample = int(key) if isinstance(key, int) else _stable_hash(str(key))
-        return random.Random(epoch_seed(epoch_seed(self.seed, epoch), sample))
+        return random.Random(epoch_seed(epoch_seed(self.seed, getattr(key, "epoch", 0)), int(key)))
 
     # -- images --------------------------------------------------------------------------
     def load(self, source: str | Path | bytes | bytearray | memoryview, key: Any = 0) -> torch.Tensor:

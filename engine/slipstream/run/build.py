@@ -60,15 +60,15 @@ def build_trainer(
     options.device = process.device
     # Named by each process's clock unless given: rank 0's name is the run's.
     options.run_dir = from_rank0(options.run_dir)
-    data = _build_data(dataset, cfg, process)
+    # The images' geometry, the dataset's defaults filled in: what the loaders cut, and
+    # what config.yaml (and a plugin reading state.config) records as having run.
+    train_geometry, eval_geometry = geometries(cfg.data, type(dataset).photos, seed=cfg.trainer.seed)
+    data = _build_data(dataset, cfg, process, train_geometry, eval_geometry)
     if data.stats is not None and d.normalize:
         options.normalize = data.stats
     model, optimizer, loss_fn = _build_model(cfg, data.num_classes, process.device)
     resolved = to_dict(cfg)
     resolved["model"]["num_classes"] = data.num_classes
-    # What ran, the dataset's defaults filled in: config.yaml (and a plugin reading
-    # state.config) sees the crop the loader takes.
-    train_geometry, eval_geometry = geometries(cfg.data, type(dataset).photos)
     resolved["data"].update(
         train_crop=train_geometry.crop,
         hflip=train_geometry.hflip,
@@ -91,9 +91,8 @@ def build_trainer(
     )
 
 
-def _build_data(dataset: Any, cfg: DictConfig, process: Any) -> Any:
+def _build_data(dataset: Any, cfg: DictConfig, process: Any, train_geometry: Any, eval_geometry: Any) -> Any:
     d = cfg.data
-    train_geometry, eval_geometry = geometries(d, type(dataset).photos, seed=cfg.trainer.seed)
     request = DataRequest(
         image_size=d.image_size,
         batch_size=d.batch_size,
