@@ -369,9 +369,12 @@ def train_once(
     load: Path | None = None,
     rank: int = 0,
     world_size: int = 1,
+    resumable: bool = True,
 ) -> Observed:
     """Train ``combo`` for :data:`BATCHES` batches, two epochs (a checkpoint after batch
-    :data:`RESUME_AT`, evaluated at the end), or resume it from ``load``. Raises what set-up or the run raises."""
+    :data:`RESUME_AT`, evaluated at the end), or resume it from ``load``. Not
+    ``resumable``: one checkpoint at the end, latest.pt alone (every plugin's state is
+    still saved once; the mid-run files only serve a resume). Raises what set-up or the run raises."""
     from slipstream.data import build_loader
     from slipstream.optim import build_optimizer
     from slipstream.trainer import Trainer
@@ -397,8 +400,8 @@ def train_once(
         run_dir=run_dir,
         eval_interval=f"{BATCHES}ba",
         log_interval=BATCHES,
-        checkpoint_interval=f"{RESUME_AT}ba",
-        checkpoint_keep=4,
+        checkpoint_interval=f"{RESUME_AT if resumable else BATCHES}ba",
+        checkpoint_keep=4 if resumable else 0,
         best_metric=None,
         load_path=load,
         progress_bar=False,
@@ -469,7 +472,8 @@ def check_combo(
         shutil.rmtree(run_dir)
     _barrier(world_size)  # no rank looks at the run directory before it is gone
     try:
-        seen = train_once(combo, classes, run_dir, settings=settings, rank=rank, world_size=world_size)
+        seen = train_once(combo, classes, run_dir, settings=settings, rank=rank, world_size=world_size,
+                          resumable=resume)
     except SlipstreamError as exc:
         reason = first_line(exc)
         if (run_dir / "summary.json").exists():  # the run began: an error of a plugin's, mid-run
