@@ -59,12 +59,28 @@ def test_adafactor_and_no_decay_for_biases():
     assert decays == [0.0, 0.1]
 
 
+def test_lamb_and_sgdw_are_timms_with_the_runs_settings():
+    """The published recipes' optimizers (ResNet strikes back's LAMB, Composer's
+    decoupled SGD): timm's classes, given betas/eps or momentum/nesterov."""
+    model = torch.nn.Linear(4, 2)
+    lamb = build_optimizer(model, "lamb", 8e-3, weight_decay=0.02, betas=(0.9, 0.99), eps=1e-7)
+    assert type(lamb).__name__ == "Lamb" and lamb.defaults["betas"] == (0.9, 0.99) and lamb.defaults["eps"] == 1e-7
+    sgdw = build_optimizer(model, "sgdw", 2.0, weight_decay=1e-4, momentum=0.875)
+    assert type(sgdw).__name__ == "SGDW" and sgdw.defaults["momentum"] == 0.875
+    # Decoupled: with no gradient, a step only multiplies the weights by 1 - lr x wd.
+    before = model.weight.detach().clone()
+    model.weight.grad = torch.zeros_like(model.weight)
+    model.bias.grad = torch.zeros_like(model.bias)
+    sgdw.step()
+    assert torch.allclose(model.weight, before * (1 - 2.0 * 1e-4))
+
+
 def test_optimizer_errors():
     with pytest.raises(
         ConfigError,
-        match="optimizer.name 'lamb' is not supported; choose one of sgd, adamw, adafactor",
+        match="optimizer.name 'lars' is not supported; choose one of sgd, adamw, adafactor, lamb, sgdw",
     ):
-        build_optimizer(torch.nn.Linear(2, 2), "lamb", 0.1)
+        build_optimizer(torch.nn.Linear(2, 2), "lars", 0.1)
     with pytest.raises(ConfigError, match="optimizer.impl=fused: Adafactor has no fused"):
         build_optimizer(torch.nn.Linear(2, 2), "adafactor", 0.1, impl="fused")
     with pytest.raises(ConfigError, match="optimizer.impl 'fast'"):

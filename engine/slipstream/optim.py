@@ -16,7 +16,9 @@ from torch import nn
 from slipstream.config.imports import import_object, is_import_path
 from slipstream.errors import ConfigError
 
-OPTIMIZERS = ("sgd", "adamw", "adafactor")
+# lamb and sgdw are timm's (ResNet strikes back trains with LAMB; SGDW is SGD with
+# decoupled weight decay, as Composer's DecoupledSGDW up to the scale of the decay).
+OPTIMIZERS = ("sgd", "adamw", "adafactor", "lamb", "sgdw")
 IMPLS = ("auto", "fused", "foreach", "for_loop")
 # optimizer.impl as the user asked for it, for the optimizers build_optimizer made: a
 # plugin whose wrap cannot run the implementation "auto" chose (FSDP2's DTensors have no
@@ -57,6 +59,14 @@ def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
         from timm.optim import Adafactor  # older torch
 
         return Adafactor
+    if name == "lamb":
+        from timm.optim import Lamb
+
+        return Lamb
+    if name == "sgdw":
+        from timm.optim import SGDW
+
+        return SGDW
     raise ConfigError(
         f"optimizer.name {name!r} is not supported; choose one of {', '.join(OPTIMIZERS)} "
         "or give an import path to a torch.optim.Optimizer subclass ('package.module:Class')"
@@ -107,7 +117,7 @@ def build_optimizer(
 
     Norm and bias parameters get no weight decay, nor those a timm model lists in
     ``no_weight_decay()`` (a ViT's position embedding and class token), as in timm's
-    recipes. ``name`` is sgd, adamw, adafactor or an import path to a
+    recipes. ``name`` is sgd, adamw, adafactor, lamb, sgdw (timm's) or an import path to a
     ``torch.optim.Optimizer`` subclass
     (``package.module:Class``), built with ``lr``, ``weight_decay`` (per group) and
     ``kwargs``.
@@ -139,11 +149,11 @@ def build_optimizer(
             raise ConfigError(
                 f"cannot build optimizer {name!r} with optimizer.kwargs={dict(kwargs)}: {exc}"
             ) from None
-    if name == "sgd":
+    if name in ("sgd", "sgdw"):
         if nesterov and momentum <= 0:
             raise ConfigError("optimizer.nesterov needs optimizer.momentum > 0")
         kwargs.update(momentum=momentum, nesterov=nesterov)
-    elif name == "adamw":
+    elif name in ("adamw", "lamb"):
         kwargs["betas"] = tuple(betas)
         if eps is not None:
             kwargs["eps"] = eps

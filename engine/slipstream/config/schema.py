@@ -46,7 +46,7 @@ class ModelConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "sgd"  # sgd | adamw | adafactor | an import path "package.module:Optimizer"
+    name: str = "sgd"  # sgd | adamw | adafactor | lamb | sgdw | an import path "package.module:Optimizer"
     lr: float = 0.1
     weight_decay: float = 5e-4
     momentum: float = 0.9  # sgd
@@ -267,6 +267,11 @@ def check_data(cfg: DictConfig) -> None:
 
     dataset = build_dataset_plugin(plain(cfg.data))
     geometries(cfg.data, type(dataset).photos)  # the crop and resize options, checked
+    if cfg.data.repeats > 1 and type(dataset).streams:
+        raise ConfigError(
+            f"data.repeats={cfg.data.repeats} needs a map-style dataset: data.name={cfg.data.name} "
+            "streams its samples, each once per epoch; use data.repeats=1"
+        )
 
 
 def parse_algorithm_list(text: str) -> tuple[list[str], list[str]]:
@@ -577,6 +582,11 @@ def validate(cfg: DictConfig) -> TrainerOptions:
             f"data.eval_batch_size must be at least 1 or null (2 x batch_size), "
             f"got {cfg.data.eval_batch_size}"
         )
+    if cfg.data.repeats < 1:
+        raise ConfigError(
+            f"data.repeats is how many times each sample is seen per epoch, a whole number from 1 "
+            f"(1: no repeats), got {cfg.data.repeats}"
+        )
     if cfg.data.image_size < 8:
         raise ConfigError(f"data.image_size must be at least 8 pixels, got {cfg.data.image_size}")
     if not 0 <= cfg.data.num_workers <= MAX_WORKERS:
@@ -629,10 +639,10 @@ def _leaves(value: Any, key: str) -> Any:
 # Keys that only some choices read: (key, who reads it, the choice's key). The data
 # keys that only some dataset plugins read are the plugins' to say (_ignored_data_keys).
 _READ_ONLY_BY = (
-    ("optimizer.momentum", ("sgd",), "optimizer.name"),
-    ("optimizer.nesterov", ("sgd",), "optimizer.name"),
-    ("optimizer.betas", ("adamw",), "optimizer.name"),
-    ("optimizer.eps", ("adamw", "adafactor"), "optimizer.name"),
+    ("optimizer.momentum", ("sgd", "sgdw"), "optimizer.name"),
+    ("optimizer.nesterov", ("sgd", "sgdw"), "optimizer.name"),
+    ("optimizer.betas", ("adamw", "lamb"), "optimizer.name"),
+    ("optimizer.eps", ("adamw", "adafactor", "lamb"), "optimizer.name"),
 )
 
 
