@@ -8,7 +8,7 @@ the smallest of libjpeg's 1/2, 1/4 and 1/8 scales that still holds the box at th
 output size (Pillow's ``draft``: reduced-size decoding), and the box is resized to the
 output in one step. EXIF orientation is applied; grey, palette, CMYK, alpha and 16-bit
 images all come out as 3-channel uint8. Random choices are drawn from a generator
-seeded by (run seed, epoch, sample), so the same sample gets the same crop in the same
+seeded by (run seed, epoch, sample, repeat), so the same sample gets the same crop in the same
 epoch with any number of workers, and a resume is exact.
 """
 
@@ -82,11 +82,16 @@ class Geometry:
 
     def generator(self, key: Any) -> random.Random | None:
         """The sample's own generator (None where nothing is random): its seed mixes the
-        run's seed, the epoch and the sample (a SampleKey, or :func:`sample_key` of a
-        stream's sample name; a bare index is epoch 0)."""
+        run's seed, the epoch, the sample (a SampleKey, or :func:`sample_key` of a
+        stream's sample name; a bare index is epoch 0) and, for a repeat after the first
+        (``data.repeats``), the repeat's index."""
         if not self.random:
             return None
-        return random.Random(epoch_seed(epoch_seed(self.seed, getattr(key, "epoch", 0)), int(key)))
+        seed = epoch_seed(epoch_seed(self.seed, getattr(key, "epoch", 0)), int(key))
+        repeat = getattr(key, "repeat", 0)
+        # Mixed in only from the second repeat on, so the first's crop is the one a run
+        # without repeats draws.
+        return random.Random(epoch_seed(seed, repeat) if repeat else seed)
 
     # -- images --------------------------------------------------------------------------
     def load(self, source: str | Path | bytes | bytearray | memoryview, key: Any = 0) -> torch.Tensor:

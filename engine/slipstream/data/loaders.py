@@ -37,11 +37,14 @@ def build_loader(
     pin_memory: bool = False,
     persistent_workers: bool = False,
     drop_last: bool = True,
+    repeats: int = 1,
 ) -> DataLoader:
     """A DataLoader over `dataset` driven by an `EpochSampler` (`loader.sampler`).
 
     Call `loader.sampler.set_epoch(epoch, start_batch)` before iterating each epoch.
-    For evaluation pass `shuffle=False, drop_last=False`.
+    For evaluation pass `shuffle=False, drop_last=False`. `repeats` > 1: repeated
+    augmentation (each sample `repeats` times in an epoch of the same length, each copy
+    keyed, so cropped, differently: see `EpochSampler`).
 
     With `persistent_workers`, workers (and their RNG) are created once, at the first
     epoch iterated; the built-in datasets draw no randomness per item, so their batches
@@ -56,6 +59,7 @@ def build_loader(
         world_size=world_size,
         drop_last=drop_last,
         keyed=bool(getattr(dataset, "keyed", False)),  # its samples' random crops need the epoch
+        repeats=repeats,
     )
     return DataLoader(
         dataset,

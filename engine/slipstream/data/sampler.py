@@ -4,6 +4,14 @@ One permutation per epoch is cut into *global* batches of `batch_size * world_si
 samples; rank r takes the contiguous slice `[r * batch_size, (r + 1) * batch_size)` of
 each global batch. So the samples in global batch i are the same at any world size, and
 resuming at global batch k is just starting the same order k batches in.
+
+With ``repeats`` R > 1 (repeated augmentation: DeiT's RASampler, timm's
+``RepeatAugSampler``), each position of the permutation is taken R times in a row and the
+order is cut to the dataset's size, so an epoch is as long as without repeats and holds
+about ``num_samples / R`` distinct samples, R times each. Rank r then takes every
+``world_size``-th position of each global batch from the r-th, so the R copies of a sample,
+adjacent in the order, go to different ranks (DeiT's split); each copy's key carries its
+repeat index, so each is cropped differently.
 """
 
 from __future__ import annotations
@@ -28,19 +36,24 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 class SampleKey(int):
-    """A sample's index that carries the epoch it is read in (what a sampler built with
-    ``keyed=True`` yields): an ``int`` to every dataset, and the seed of its random crop
-    to one that asks."""
+    """A sample's index that carries the epoch it is read in and which of its repeats
+    this is (what a sampler built with ``keyed=True`` yields): an ``int`` to every
+    dataset, and the seed of its random crop to one that asks. ``size``: the output size
+    the loader was told for the epoch (an image-size curriculum's), 0 where none was."""
 
     epoch: int
+    repeat: int
+    size: int
 
-    def __new__(cls, index: int, epoch: int = 0) -> SampleKey:
+    def __new__(cls, index: int, epoch: int = 0, repeat: int = 0, size: int = 0) -> SampleKey:
         key = super().__new__(cls, index)
         key.epoch = epoch
+        key.repeat = repeat
+        key.size = size
         return key
 
-    def __reduce__(self) -> tuple[Any, ...]:  # to a worker and back, epoch included
-        return SampleKey, (int(self), self.epoch)
+    def __reduce__(self) -> tuple[Any, ...]:  # to a worker and back, all it carries included
+        return SampleKey, (int(self), self.epoch, self.repeat, self.size)
 
 
 class EpochSampler(Sampler[int]):
@@ -58,6 +71,9 @@ class EpochSampler(Sampler[int]):
             may get none when m < world_size. Per-rank batch counts can then differ by
             one, which DDP must tolerate (e.g. with `join`); training usually keeps the
             default drop_last=True, evaluation uses False.
+        keyed: yield :class:`SampleKey` s (index, epoch, repeat) rather than ints.
+        repeats: how many times in a row each sample of the permutation is taken
+            (repeated augmentation); 1: each sample once per epoch.
 
     Call `set_epoch(epoch, start_batch)` before each epoch (before `iter(loader)`).
     """
@@ -73,6 +89,7 @@ class EpochSampler(Sampler[int]):
         world_size: int = 1,
         drop_last: bool = True,
         keyed: bool = False,
+        repeats: int = 1,
     ) -> None:
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0; got {num_samples}")
@@ -82,6 +99,8 @@ class EpochSampler(Sampler[int]):
             raise ValueError(
                 f"need 0 <= rank < world_size; got rank={rank}, world_size={world_size}"
             )
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be a whole number >= 1; got {repeats!r}")
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.seed = seed
@@ -92,6 +111,11 @@ class EpochSampler(Sampler[int]):
         # Indices as SampleKeys that carry the epoch (a dataset with per-sample random
         # crops seeds them from it, in whichever worker reads the sample).
         self.keyed = keyed
+        self.repeats = repeats
+        # The images' side for this epoch, told by an image-size curriculum
+        # (slipstream.data.loaders.set_output_size); 0: the geometry's own. It travels in
+        # the keys, so persistent workers learn it with each sample.
+        self.output_size = 0
         self.epoch = 0
         self.start_batch = 0
         # The loader draws its workers' base seed from this generator when an iterator is
@@ -120,39 +144,55 @@ class EpochSampler(Sampler[int]):
         self.generator.manual_seed(epoch_seed(self.seed, epoch) ^ 0x5EED)
 
     def permutation(self) -> torch.Tensor:
-        """The full global order of the current epoch."""
+        """The full global order of the current epoch (with ``repeats``, each sample
+        ``repeats`` times in a row, cut to ``num_samples`` positions)."""
         if not self.shuffle:
-            return torch.arange(self.num_samples)
-        gen = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
-        return torch.randperm(self.num_samples, generator=gen)
+            order = torch.arange(self.num_samples)
+        else:
+            gen = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+            order = torch.randperm(self.num_samples, generator=gen)
+        if self.repeats > 1:
+            # Only the first num_samples / repeats samples are needed (timm's
+            # RepeatAugSampler takes the same prefix of the same repeated order).
+            kept = -(-self.num_samples // self.repeats)
+            order = order[:kept].repeat_interleave(self.repeats)[: self.num_samples]
+        return order
 
-    def _rank_slice(self, batch_index: int) -> tuple[int, int]:
-        """[start, stop) of this rank's samples of global batch `batch_index` in the order."""
+    def _rank_positions(self, batch_index: int) -> range:
+        """This rank's positions in the order of global batch `batch_index`."""
         begin = batch_index * self.global_batch_size
         size = min(self.global_batch_size, self.num_samples - begin)
+        if self.repeats > 1:
+            # Strided, as DeiT splits: a sample's repeats (adjacent) go to different
+            # ranks, and a partial last batch still gives the lowest ranks one more.
+            return range(begin + self.rank, begin + size, self.world_size)
         if size == self.global_batch_size:
             lo = begin + self.rank * self.batch_size
-            return lo, lo + self.batch_size
+            return range(lo, lo + self.batch_size)
         # Partial last batch: even contiguous split, remainder to the lowest ranks.
         base, extra = divmod(size, self.world_size)
         lo = begin + self.rank * base + min(self.rank, extra)
-        return lo, lo + base + (1 if self.rank < extra else 0)
+        return range(lo, lo + base + (1 if self.rank < extra else 0))
 
     def __iter__(self) -> Iterator[int]:
         order = self.permutation()
+        repeats, epoch, size = self.repeats, self.epoch, self.output_size
         for b in range(self.start_batch, self.batches_per_epoch):
-            lo, hi = self._rank_slice(b)
-            if self.keyed:
-                yield from (SampleKey(i, self.epoch) for i in order[lo:hi].tolist())
+            at = self._rank_positions(b)
+            indices = order[at.start : at.stop : at.step].tolist()
+            if not self.keyed:
+                yield from indices
+            elif repeats > 1:
+                # The repeat index is the position's place in its run of repeats.
+                yield from (SampleKey(i, epoch, p % repeats, size) for i, p in zip(indices, at, strict=True))
             else:
-                yield from order[lo:hi].tolist()
+                yield from (SampleKey(i, epoch, 0, size) for i in indices)
 
     def __len__(self) -> int:
         full = self.num_samples // self.global_batch_size
         total = max(0, full - self.start_batch) * self.batch_size
         if self.batches_per_epoch > full and self.start_batch <= full:
-            lo, hi = self._rank_slice(full)
-            total += hi - lo
+            total += len(self._rank_positions(full))
         return total
 
     def state_dict(self) -> dict[str, int]:

@@ -43,6 +43,9 @@ class DataConfig:
     pin_memory: bool = True  # page-locked batches for non_blocking copies; CUDA only (runner)
     persistent_workers: bool = False
     drop_last: bool = True
+    # Repeated augmentation (DeiT, timm's --aug-repeats): each sample this many times per
+    # epoch, each copy cropped differently; the epoch keeps its length. 1: off.
+    repeats: int = 1
     normalize: bool = True  # normalise on the device with the dataset's mean/std
     # The images' geometry (slipstream.data.geometry); null: the dataset's own default
     # (DatasetPlugin.photos: a random resized crop, flips and timm's 0.875 centre crop

@@ -25,6 +25,9 @@ class DataRequest:
     pin_memory: bool = False
     persistent_workers: bool = False
     drop_last: bool = True  # of the training data; evaluation keeps every sample
+    # Repeated augmentation (data.repeats): each training sample this many times in an
+    # epoch of the same length, each copy cropped differently (slipstream.data.EpochSampler).
+    repeats: int = 1
     seed: int = 0
     rank: int = 0
     world_size: int = 1
@@ -105,7 +108,12 @@ class DatasetPlugin(Plugin):
         )
         return BuiltData(
             train=build_loader(
-                train, batch_size=request.batch_size, shuffle=True, drop_last=request.drop_last, **common
+                train,
+                batch_size=request.batch_size,
+                shuffle=True,
+                drop_last=request.drop_last,
+                repeats=request.repeats,
+                **common,
             ),
             eval=None
             if val is None

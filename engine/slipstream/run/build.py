@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from slipstream.config.options import check_output_dir
 from slipstream.config.schema import RunSpec, to_dict
 from slipstream.data.geometry import geometries
+from slipstream.data.gpu_decode import choose_decode
 from slipstream.data.sources import DATASETS_GROUP, DataRequest, build_dataset_plugin
 from slipstream.distributed import from_rank0
 from slipstream.errors import ConfigError, DataError
@@ -64,6 +65,8 @@ def build_trainer(
     # what config.yaml (and a plugin reading state.config) records as having run.
     train_geometry, eval_geometry = geometries(cfg.data, type(dataset).photos, seed=cfg.trainer.seed)
     data = _build_data(dataset, cfg, process, train_geometry, eval_geometry)
+    # data.decode=auto is measured on this data, outside the run's clock (docs/auto.md).
+    decode = choose_decode(d.get("decode"), (data.train, data.eval), process.device, verbose=verbose)
     if data.stats is not None and d.normalize:
         options.normalize = data.stats
     model, optimizer, loss_fn = _build_model(cfg, data.num_classes, process.device)
@@ -76,7 +79,7 @@ def build_trainer(
         crop_pct=eval_geometry.crop_pct,
     )
     algorithms, callbacks = plugins
-    return Trainer(
+    trainer = Trainer(
         model=model,
         optimizer=optimizer,
         loss_fn=loss_fn,
@@ -89,6 +92,9 @@ def build_trainer(
         options=options,
         process=process,
     )
+    if decode is not None:
+        trainer.state.summary["decode"] = decode
+    return trainer
 
 
 def _build_data(dataset: Any, cfg: DictConfig, process: Any, train_geometry: Any, eval_geometry: Any) -> Any:
@@ -101,6 +107,7 @@ def _build_data(dataset: Any, cfg: DictConfig, process: Any, train_geometry: Any
         pin_memory=d.pin_memory and process.device.type == "cuda",
         persistent_workers=d.persistent_workers,
         drop_last=d.drop_last,
+        repeats=d.repeats,
         seed=cfg.trainer.seed,
         rank=process.rank,
         world_size=process.world_size,
@@ -108,7 +115,7 @@ def _build_data(dataset: Any, cfg: DictConfig, process: Any, train_geometry: Any
         eval_geometry=eval_geometry,
     )
     try:
-        return dataset.build(request)
+        built = dataset.build(request)
     except DataError as exc:
         raise ConfigError(f"data: {exc}") from None
     except MemoryError:
@@ -116,6 +123,14 @@ def _build_data(dataset: Any, cfg: DictConfig, process: Any, train_geometry: Any
             f"data: not enough memory to build {d.name!r} with data.train_size={d.train_size}, "
             f"data.val_size={d.val_size}, data.image_size={d.image_size}; make them smaller"
         ) from None
+    if d.repeats > 1 and getattr(getattr(built.train, "sampler", None), "repeats", 1) != d.repeats:
+        # A plugin that builds its own loaders and does not say it repeats (its sampler's
+        # `repeats`) would train without repeats while the config says otherwise.
+        raise ConfigError(
+            f"data.repeats={d.repeats}: data.name={d.name} builds its own training loader, whose "
+            "sampler does not repeat samples (no `repeats` attribute); use data.repeats=1"
+        )
+    return built
 
 
 def _build_model(cfg: DictConfig, num_classes: int, device: Any) -> tuple[Any, Any, Any]:
@@ -148,4 +163,7 @@ def _build_model(cfg: DictConfig, num_classes: int, device: Any) -> tuple[Any, A
         backbone_lr_scale=o.backbone_lr_scale,
         head=list(o.head) if o.head is not None else None,
     )
-    return model, optimizer, build_loss(cfg.loss.name, **dict(to_dict(cfg.loss.kwargs)))
+    loss_fn = build_loss(cfg.loss.name, **dict(to_dict(cfg.loss.kwargs)))
+    if hasattr(loss_fn, "check_num_classes"):  # bce's per-class weights, checked before the run
+        loss_fn.check_num_classes(num_classes)
+    return model, optimizer, loss_fn
