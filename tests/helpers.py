@@ -30,6 +30,10 @@ TINY_RUN = [
     "trainer.threads=1",
 ]
 
+# The bundled recipes of published ImageNet procedures: they need the user's data, so
+# test_published_recipes.py trains them on a JPEG folder at toy scale.
+PUBLISHED_RECIPES = ("resnet50_rsb_a3", "deit_small", "resnet50_composer_medium", "resnet50_composer_hot")
+
 
 def error_lines(err: str) -> list[str]:
     """``err``'s non-empty lines less the engine's warnings: what a one-line error test counts."""
