@@ -1,4 +1,4 @@
-"""Label smoothing on the training cross-entropy.
+"""Label smoothing on the training loss: cross-entropy, or bce (one sigmoid per class).
 
 Training against ``(1 - s) * one_hot + s / K`` instead of hard labels keeps the
 logits from growing without bound, which regularises the model and usually buys
@@ -7,7 +7,10 @@ per step (torch's ``cross_entropy(label_smoothing=s)``: ~80 us more on a CPU).
 
 How it composes: the plugin wraps the ``compute_loss`` step and, for the duration
 of that step only, swaps ``state.loss_fn`` for the same cross-entropy with
-``label_smoothing=s``. So whatever computes the loss inside (the engine's default,
+``label_smoothing=s`` (for ``loss.name=bce``, the same BCE with ``smoothing=s``:
+targets ``(1 - s) * p + s / K``, as timm smooths them for its BinaryCrossEntropy;
+any loss with a ``with_label_smoothing(s)`` method is smoothed by that). So whatever
+computes the loss inside (the engine's default,
 or a plugin that replaces ``compute_loss`` and calls ``state.loss_fn``) smooths,
 wrappers outside it (autocast, division by the accumulation count) see the
 smoothed loss, and nothing else does: evaluation computes its own plain
@@ -56,8 +59,18 @@ def smoothed_loss(
     loss_fn: Callable[..., torch.Tensor], smoothing: float
 ) -> Callable[..., torch.Tensor]:
     """The cross-entropy ``loss_fn`` with ``label_smoothing=smoothing``, keeping its
-    class weights, ignore_index and reduction. Any other loss is an error: there
-    is no generic way to smooth it."""
+    class weights, ignore_index and reduction; a loss that says how to smooth itself
+    (a ``with_label_smoothing(smoothing)`` method and a ``smoothing`` attribute, as
+    ``loss.name=bce`` has) smoothed that way. Any other loss is an error: there is no
+    generic way to smooth it."""
+    smooth = getattr(loss_fn, "with_label_smoothing", None)
+    if callable(smooth):
+        if getattr(loss_fn, "smoothing", 0):
+            raise ConfigError(
+                f"algorithms.label_smoothing: the run's loss already smooths labels "
+                f"(smoothing={loss_fn.smoothing}); drop one of the two"
+            )
+        return smooth(smoothing)
     if isinstance(loss_fn, nn.CrossEntropyLoss):
         if loss_fn.label_smoothing:
             raise ConfigError(
@@ -74,12 +87,12 @@ def smoothed_loss(
         return functools.partial(F.cross_entropy, label_smoothing=smoothing)
     raise ConfigError(
         "algorithms.label_smoothing: needs the run's loss_fn to be nn.CrossEntropyLoss "
-        f"(or F.cross_entropy), got {type(loss_fn).__name__}"
+        f"(or F.cross_entropy) or loss.name=bce, got {type(loss_fn).__name__}"
     )
 
 
 class LabelSmoothing(Algorithm):
-    """Label smoothing on the training cross-entropy (evaluation loss stays plain)."""
+    """Label smoothing on the training cross-entropy or BCE (evaluation loss stays plain)."""
 
     name = "label_smoothing"
     config_class = LabelSmoothingConfig

@@ -7,6 +7,8 @@ import inspect
 from typing import Any
 
 import timm
+import torch
+import torch.nn.functional as F
 import torchvision
 from torch import nn
 
@@ -148,13 +150,133 @@ def _model_error(
     raise exc
 
 
-LOSSES = ("cross_entropy",)
+LOSSES = ("cross_entropy", "bce")
+
+
+class BinaryCrossEntropy(nn.Module):
+    """timm's ``BinaryCrossEntropy`` (``loss.name=bce``): one sigmoid per class against
+    one-hot targets, as ResNet strikes back and DeiT III train.
+
+    Targets are class indices or class probabilities of the logits' shape (MixUp's and
+    CutMix's soft targets). ``smoothing`` s makes them ``(1 - s) * p + s / K`` (K
+    classes): timm's one-hot smoothing for indices, and for soft targets what timm's
+    Mixup with ``label_smoothing`` hands its BCE (timm smooths those upstream; here the
+    mixing plugins hand over unsmoothed targets, so the loss does it). Then
+    ``target_threshold`` t makes each target 1 where above t, else 0 (timm's
+    ``--bce-target-thresh``: both classes of a mixed pair become positives).
+    ``pos_weight`` (one number, or one per class) weighs positives, ``weight`` (one per
+    class) each class; ``sum_classes`` sums over classes before the batch mean.
+    """
+
+    # What the evaluation reports as this run's loss: plain cross-entropy of the logits,
+    # as timm validates a BCE-trained model (services/evaluation.py reads this).
+    evaluated_as_cross_entropy = True
+
+    def __init__(
+        self,
+        smoothing: float = 0.0,
+        target_threshold: float | None = None,
+        pos_weight: float | list[float] | None = None,
+        weight: list[float] | None = None,
+        reduction: str = "mean",
+        sum_classes: bool = False,
+    ) -> None:
+        super().__init__()
+        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing < 1:
+            raise ValueError(f"smoothing must be a number in [0, 1) (0: off), got {smoothing!r}")
+        if target_threshold is not None and (
+            isinstance(target_threshold, bool)
+            or not isinstance(target_threshold, (int, float))
+            or not 0 <= target_threshold < 1
+        ):
+            raise ValueError(f"target_threshold must be a number in [0, 1) or null (off), got {target_threshold!r}")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be mean or sum, got {reduction!r}")
+        if not isinstance(sum_classes, bool):
+            raise ValueError(f"sum_classes must be true or false, got {sum_classes!r}")
+        self.smoothing = float(smoothing)
+        self.target_threshold = None if target_threshold is None else float(target_threshold)
+        self.reduction = reduction
+        self.sum_classes = sum_classes
+        self.register_buffer("pos_weight", _positive_weights("pos_weight", pos_weight))
+        self.register_buffer("weight", _positive_weights("weight", weight, per_class=True))
+
+    def with_label_smoothing(self, smoothing: float) -> BinaryCrossEntropy:
+        """The same loss with ``smoothing`` (what the label_smoothing plugin asks a loss for)."""
+        return BinaryCrossEntropy(
+            smoothing,
+            self.target_threshold,
+            None if self.pos_weight is None else self.pos_weight.tolist(),
+            None if self.weight is None else self.weight.tolist(),
+            self.reduction,
+            self.sum_classes,
+        )
+
+    def check_num_classes(self, num_classes: int) -> None:
+        """A ConfigError, before the run starts, where a per-class weight's length is not
+        the model's class count (the first batch would fail on it)."""
+        for name in ("weight", "pos_weight"):
+            value = getattr(self, name)
+            if value is not None and len(value) not in ((1, num_classes) if name == "pos_weight" else (num_classes,)):
+                raise ConfigError(
+                    f"loss.kwargs.{name} has {len(value)} entries but the model has {num_classes} classes: "
+                    "give one per class"
+                )
+
+    def targets(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The per-class binary targets the loss compares ``logits`` with."""
+        num_classes = logits.shape[-1]
+        off = self.smoothing / num_classes
+        if targets.shape != logits.shape:  # class indices: timm's smoothed one-hot, built as it does
+            full = torch.full((len(targets), num_classes), off, device=logits.device, dtype=logits.dtype)
+            dense = full.scatter_(1, targets.long().view(-1, 1), 1.0 - self.smoothing + off)
+        else:
+            dense = targets.to(logits.dtype)
+            if self.smoothing:
+                dense = dense * (1.0 - self.smoothing) + off
+        if self.target_threshold is not None:
+            dense = dense.gt(self.target_threshold).to(logits.dtype)
+        return dense
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if len(logits) != len(targets):
+            raise ValueError(f"bce: {len(logits)} logits rows but {len(targets)} targets")
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # soft targets and the log-sigmoid need more than 8 bits
+        weight, pos_weight = (
+            None if w is None else w.to(logits.device, non_blocking=True) for w in (self.weight, self.pos_weight)
+        )
+        loss = F.binary_cross_entropy_with_logits(
+            logits,
+            self.targets(logits, targets),
+            weight,
+            pos_weight=pos_weight,
+            reduction="none" if self.sum_classes else self.reduction,
+        )
+        return loss.sum(-1).mean() if self.sum_classes else loss
+
+
+def _positive_weights(name: str, value: Any, per_class: bool = False) -> torch.Tensor | None:
+    """``value`` (null, a number or a list of numbers) as a float tensor, each weight > 0."""
+    if value is None:
+        return None
+    numbers = [value] if isinstance(value, (int, float)) and not per_class else value
+    if (
+        not isinstance(numbers, (list, tuple))
+        or not numbers
+        or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in numbers)
+    ):
+        shape = "a list of positive numbers, one per class" if per_class else "a positive number, or one per class"
+        raise ValueError(f"{name} must be {shape} (or null), got {value!r}")
+    return torch.tensor([float(v) for v in numbers])
 
 
 def build_loss(name: str = "cross_entropy", **kwargs: Any) -> Any:
     """The training loss, called as ``loss(outputs, targets)``: ``cross_entropy``
-    (``torch.nn.CrossEntropyLoss(**kwargs)``, e.g. ``label_smoothing``) or an import
-    path to a class (built with ``kwargs``) or a function (``kwargs`` bound to it)."""
+    (``torch.nn.CrossEntropyLoss(**kwargs)``, e.g. ``label_smoothing``), ``bce``
+    (:class:`BinaryCrossEntropy`: ``smoothing``, ``target_threshold``, ``pos_weight``,
+    ``weight``, ``reduction``, ``sum_classes``) or an import path to a class (built with
+    ``kwargs``) or a function (``kwargs`` bound to it)."""
     if is_import_path(name):
         obj = import_object(name, "loss.name")
         if isinstance(obj, type):
@@ -167,6 +289,18 @@ def build_loss(name: str = "cross_entropy", **kwargs: Any) -> Any:
             return nn.CrossEntropyLoss(**kwargs)
         except TypeError as exc:
             raise ConfigError(f"loss.kwargs={kwargs}: {exc}") from None
+    if name == "bce":
+        known = list(inspect.signature(BinaryCrossEntropy).parameters)
+        unknown = [k for k in kwargs if k not in known]
+        if unknown:
+            raise ConfigError(
+                f"loss.kwargs.{unknown[0]} is not an option of loss.name=bce{did_you_mean(unknown[0], known)}; "
+                f"its options: {', '.join(known)}"
+            )
+        try:
+            return BinaryCrossEntropy(**kwargs)
+        except ValueError as exc:
+            raise ConfigError(f"loss.name=bce: loss.kwargs.{exc}") from None
     raise ConfigError(
         f"loss.name {name!r} is not supported; use {', '.join(LOSSES)} or an import path "
         "('package.module:name') to a loss class or function"

@@ -164,10 +164,11 @@ def eval_loss(loss_fn: Any, outputs: Any, logits: torch.Tensor, targets: torch.T
     """The summed loss of one evaluation batch. With the default ``CrossEntropyLoss``
     (any options) it is plain cross-entropy of the ``logits``, as timm and Composer report
     it: label smoothing is a training device, not what the model's predictions are worth.
-    A loss function of the user's own is evaluated as it trains, on what the model
-    returned (its value taken as the batch's mean), so that ``best_metric=loss`` and
-    ``early_stopping`` rank by it."""
-    if isinstance(loss_fn, torch.nn.CrossEntropyLoss):
+    So is it for a loss that says ``evaluated_as_cross_entropy`` (``loss.name=bce``: timm
+    validates a BCE-trained model with cross-entropy). A loss function of the user's own
+    is evaluated as it trains, on what the model returned (its value taken as the
+    batch's mean), so that ``best_metric=loss`` and ``early_stopping`` rank by it."""
+    if isinstance(loss_fn, torch.nn.CrossEntropyLoss) or getattr(loss_fn, "evaluated_as_cross_entropy", False):
         return F.cross_entropy(logits.float(), targets, reduction="sum")
     value = loss_fn(outputs, targets)
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
