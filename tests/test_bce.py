@@ -28,11 +28,13 @@ def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"smoothing": 0.1}, {"pos_weight": 2.0, "sum_classes": True},
-                                    {"target_threshold": 0.2, "smoothing": 0.3}])
+                                    {"target_threshold": 0.2, "smoothing": 0.3},
+                                    {"pos_weight": [1.0, 2.0, 0.5, 1.0], "weight": [1.0, 1.0, 2.0, 3.0]}])
 def test_equals_timm_on_class_indices(kwargs) -> None:
     logits, targets = batch()
     ours = build_loss("bce", **kwargs)(logits, targets)
-    timm_kwargs = {"smoothing": 0.0, **kwargs}  # timm's class smooths by 0.1 unless told
+    # timm's class smooths by 0.1 unless told, and takes per-class weights as tensors.
+    timm_kwargs = {"smoothing": 0.0, **{k: torch.tensor(v) if isinstance(v, list) else v for k, v in kwargs.items()}}
     assert torch.equal(ours, TimmBCE(**timm_kwargs)(logits, targets))
 
 

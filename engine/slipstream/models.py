@@ -243,14 +243,15 @@ class BinaryCrossEntropy(nn.Module):
             raise ValueError(f"bce: {len(logits)} logits rows but {len(targets)} targets")
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # soft targets and the log-sigmoid need more than 8 bits
-        weight, pos_weight = (
-            None if w is None else w.to(logits.device, non_blocking=True) for w in (self.weight, self.pos_weight)
-        )
+        if self.weight is not None and self.weight.device != logits.device:
+            self.weight = self.weight.to(logits.device)  # once: the engine does not move the loss
+        if self.pos_weight is not None and self.pos_weight.device != logits.device:
+            self.pos_weight = self.pos_weight.to(logits.device)
         loss = F.binary_cross_entropy_with_logits(
             logits,
             self.targets(logits, targets),
-            weight,
-            pos_weight=pos_weight,
+            self.weight,
+            pos_weight=self.pos_weight,
             reduction="none" if self.sum_classes else self.reduction,
         )
         return loss.sum(-1).mean() if self.sum_classes else loss
