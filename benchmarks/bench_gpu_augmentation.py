@@ -11,10 +11,16 @@
     torch's threads (``cpu_threads: 0``, the default) and at 1 thread (``cpu_threads:
     1``, a switch of torch's thread count and back every batch), alternated; the
     median step of each run, and the ratio per pair of runs.
+(d) timm's recipe stages, ms per batch, side by side: the ``rand_augment`` stage
+    (``rand-m9-mstd0.5-inc1``, per image on the batch) and ``erasing`` (probability
+    0.25, pixel mode) against the ``light`` preset, and against timm's own
+    per-image RandAugment on PIL images and RandomErasing on the normalised tensors,
+    at 32 px (batch 128) and 160 px (batch 32, ResNet strikes back A3's size).
 
     .venv/bin/python benchmarks/bench_gpu_augmentation.py            # ~4 min
     .venv/bin/python benchmarks/bench_gpu_augmentation.py --skip-e2e   # (a) and (c)
     .venv/bin/python benchmarks/bench_gpu_augmentation.py --quick    # seconds
+    .venv/bin/python benchmarks/bench_gpu_augmentation.py --only-timm  # (d) alone, ~1 min
 """
 
 from __future__ import annotations
@@ -25,13 +31,20 @@ import time
 
 import timm
 import torch
+from PIL import Image, ImageOps
 from slipstream_gpu_augmentation import (
+    Erasing,
     GpuAugmentation,
     GpuAugmentationConfig,
     augment_batch,
     build_augmentation,
     intra_op_threads,
+    parse_rand_augment,
+    rand_augment,
+    random_erase,
 )
+from timm.data.auto_augment import rand_augment_transform
+from timm.data.random_erasing import RandomErasing
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
@@ -226,6 +239,52 @@ def thread_switch(args) -> None:
     )
 
 
+def _posterize_zero_bits(img: Image.Image, bits: int, **_) -> Image.Image:
+    # What Pillow gave for 0 bits before it refused them: black (the plugin does the same).
+    return Image.new(img.mode, img.size) if bits < 1 else ImageOps.posterize(img, bits)
+
+
+def timm_stages(args) -> None:
+    """(d): the timm stages' cost per batch, ours on the batch against timm's per image."""
+    text = "rand-m9-mstd0.5-inc1"
+    spec, erasing = parse_rand_augment(text), Erasing(probability=0.25, mode="pixel")
+    theirs_ra = rand_augment_transform(text, {"translate_const": 100, "img_mean": (128, 128, 128)})
+    for op in theirs_ra.ops:  # Pillow 13 refuses posterize(0 bits), which timm asks for at magnitude 10
+        if op.name == "PosterizeIncreasing":
+            op.aug_fn = _posterize_zero_bits
+    theirs_re = RandomErasing(probability=0.25, mode="pixel", device="cpu")
+    light = build_augmentation()
+    print(f"(d) timm's stages, ms per batch (median of {args.repeats} interleaved runs of "
+          f"{args.timm_batches} batches), {torch.get_num_threads()} threads")
+    print(f"{'batch':<14} {'variant':<38} {'ms/batch':>9} {'vs timm':>8}")
+    for size, bs in args.timm_sizes:
+        g = torch.Generator().manual_seed(0)
+        batches = [torch.rand(bs, 3, size, size, generator=g) for _ in range(args.timm_batches)]
+        images = [[Image.fromarray((x * 255).byte().permute(1, 2, 0).numpy()) for x in b] for b in batches]
+        variants = {
+            "light preset (kornia)": lambda i, b: augment_batch(b, light, seed=i),
+            f"rand_augment {text}": lambda i, b: rand_augment(b, spec, seed=i),
+            "erasing p0.25 pixel": lambda i, b: random_erase(b, erasing, seed=i),
+            "timm RandAugment, per PIL image": lambda i, b, images=images: [theirs_ra(im) for im in images[i]],
+            "timm RandomErasing, per image": lambda i, b: theirs_re(b.clone()),
+        }
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for run in variants.values():  # first calls (kornia's set-up) untimed
+            run(0, batches[0])
+        for _ in range(args.repeats):
+            for name, run in variants.items():
+                start = time.perf_counter()
+                for i, b in enumerate(batches):
+                    run(i, b)
+                times[name].append((time.perf_counter() - start) / len(batches))
+        ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+        against = {"rand_augment": "timm RandAugment, per PIL image", "erasing": "timm RandomErasing, per image"}
+        for name, value in ms.items():
+            ref = next((ms[v] for k, v in against.items() if name.startswith(k)), None)
+            ratio = f"{ref / value:>7.2f}x" if ref else f"{'':>8}"
+            print(f"{bs}x3x{size}x{size:<5} {name:<38} {value:>9.2f} {ratio}")
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--model", default="resnet18")
@@ -239,17 +298,24 @@ def main() -> None:
     p.add_argument("--switch-runs", type=int, default=10, help="runs per setting in (c)")
     p.add_argument("--switch-batches", type=int, default=40, help="batches per run in (c)")
     p.add_argument("--skip-e2e", action="store_true", help="leave out (b)")
+    p.add_argument("--only-timm", action="store_true", help="run (d) alone")
+    p.add_argument("--timm-batches", type=int, default=5, help="batches per timing in (d)")
     p.set_defaults(steps=5, warmup=1, repeats=3)  # ResNet-18 steps take seconds on a shared CPU
     args = p.parse_args()
     if args.quick:
         args.batch_size, args.aug_batches, args.steps, args.warmup, args.repeats = 16, 3, 2, 1, 1
         args.model, args.workers = "test_resnet", [0]
         args.switch_runs, args.switch_batches = 1, 8
+    args.timm_sizes = [(32, 16)] if args.quick else [(32, 128), (160, 32)]
     torch.set_num_threads(args.threads)
+    if args.only_timm:
+        timm_stages(args)
+        return
     aug_throughput(args)
     if not args.skip_e2e:
         end_to_end(args)
     thread_switch(args)
+    timm_stages(args)
 
 
 if __name__ == "__main__":

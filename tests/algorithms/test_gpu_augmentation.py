@@ -144,7 +144,7 @@ def test_a_shape_changing_augmentation_is_refused_at_run_time():
         ({"custom": [{"name": "RandomHorizontalFlip"}]}, r"set preset: custom"),
         (
             {"preset": "cutout"},
-            r"preset must be one of light, trivial, randaugment, custom, got 'cutout'",
+            r"preset must be one of light, trivial, randaugment, custom, none, got 'cutout'",
         ),
         ({"crop_scale": [0.0, 1.0]}, r"crop_scale must be"),
         ({"flip_p": 2.0}, r"flip_p must be a finite number in \[0, 1\]"),

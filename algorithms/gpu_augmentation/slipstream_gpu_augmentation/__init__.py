@@ -8,6 +8,12 @@ shrunk them (fewer pixels to warp). Batches arrive ``uint8`` (or float in [0, 1]
 from a float loader) and leave float in [0, 1]; the engine normalises them and
 sets their memory format afterwards.
 
+Two more stages reproduce timm's training recipes: ``rand_augment`` (timm's string,
+``rand-m9-mstd0.5-inc1``; :mod:`.rand_augment`) after the kornia pipeline, and
+``erasing`` (timm's RandomErasing; :mod:`.erasing`) at ``before_forward``, on the
+normalised batch as timm erases normalised tensors. Both draw from their own stream
+of the batch's seed with explicit generators.
+
 Reproducibility: kornia 0.9 draws its parameters from ``torch.distributions``,
 which use the global RNG and take no ``torch.Generator``. So each batch is
 augmented inside ``torch.random.fork_rng`` with the global generators seeded from
@@ -33,7 +39,17 @@ from torch import nn
 
 from slipstream import Algorithm, State, batch_seed, check_plugin_options, hookimpl, plugin_option, to_unit_float
 
-PRESETS = ("light", "trivial", "randaugment", "custom")
+from .erasing import Erasing, random_erase
+from .rand_augment import RandAugmentSpec, parse_rand_augment, rand_augment
+
+__all__ = [
+    "AUGMENTATIONS", "PRESETS", "Erasing", "GpuAugmentation", "GpuAugmentationConfig",
+    "RandAugmentSpec", "augment_batch", "batch_seed", "build_augmentation", "intra_op_threads",
+    "moved_tensors", "parse_rand_augment", "place_pipeline", "rand_augment", "random_erase",
+]  # fmt: skip
+
+# none: no kornia stage, for rand_augment or erasing alone (the loader already crops).
+PRESETS = ("light", "trivial", "randaugment", "custom", "none")
 
 # Classes that are not augmentations of an image in [0, 1]: the engine normalises
 # after every batch_start plugin, and mixing augmentations would need the labels.
@@ -87,6 +103,18 @@ class GpuAugmentationConfig:
     # that follows pay far more than kornia's small ops gain from one thread (a median
     # 15 % slower step in one measurement, none in two others: see the card).
     cpu_threads: int = plugin_option(0, low=0, whole=True, note="0 = torch's setting")
+    # timm's RandAugment string, e.g. rand-m9-mstd0.5-inc1, applied after the preset
+    # with each image's own operations and magnitudes (null = off).
+    rand_augment: str | None = None
+    # The colour rand_augment's geometric operations bring in, 0-255 as timm's
+    # hparams img_mean (timm's train script passes the dataset's mean there).
+    rand_augment_fill: list[float] = plugin_option(
+        default_factory=lambda: [128.0, 128.0, 128.0], low=0, high=255, items=True
+    )
+    # timm's RandomErasing at before_forward, on the normalised batch: {probability,
+    # mode: const|rand|pixel, count: n or [min, max], min_area, max_area, min_aspect,
+    # max_aspect}; {} = off.
+    erasing: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_plugin_options(self)
@@ -102,6 +130,26 @@ class GpuAugmentationConfig:
             raise ValueError(
                 f"custom is set but preset is {self.preset!r}; set preset: custom to use it"
             )
+        if self.rand_augment is not None:
+            try:
+                parse_rand_augment(self.rand_augment)
+            except ValueError as exc:
+                raise ValueError(f"rand_augment {exc}") from None
+            if self.preset in ("trivial", "randaugment"):
+                raise ValueError(
+                    f"rand_augment and preset {self.preset!r} are two augmentation policies; "
+                    "use preset light (crop and flip), none or custom with rand_augment"
+                )
+        if len(self.rand_augment_fill) not in (1, 3):
+            raise ValueError(
+                f"rand_augment_fill must be one value or three (0-255), got {list(self.rand_augment_fill)}"
+            )
+        Erasing.from_options(dict(self.erasing))  # raises naming the key
+        if self.preset == "none" and self.rand_augment is None and not self.erasing:
+            raise ValueError(
+                "preset is 'none' and neither rand_augment nor erasing is set: the plugin would do "
+                "nothing; set one of them, or another preset"
+            )
         # Build (and, for custom entries, run once) now, so a bad recipe fails
         # before the run rather than at its first batch.
         for index, spec in enumerate(_specs(self)):
@@ -113,6 +161,8 @@ def _specs(config: GpuAugmentationConfig) -> list[dict[str, Any]]:
     """The pipeline as a list of ``{name, **kwargs}``, presets included."""
     if config.preset == "custom":
         return [dict(spec) for spec in config.custom]
+    if config.preset == "none":
+        return []
     # Resample mode warps the whole batch in one call; slice mode loops over samples.
     crop = {
         "name": "RandomResizedCrop",
@@ -350,7 +400,8 @@ def augment_batch(
 
 
 class GpuAugmentation(Algorithm):
-    """Augment training batches on the device with kornia (crop, flip, TrivialAugment, ...)."""
+    """Augment training batches on the device: kornia (crop, flip, TrivialAugment, ...),
+    timm's RandAugment per image and timm's random erasing."""
 
     name = "gpu_augmentation"
     config_class = GpuAugmentationConfig
@@ -360,7 +411,13 @@ class GpuAugmentation(Algorithm):
     def __init__(self, config: GpuAugmentationConfig | None = None) -> None:
         super().__init__(config)
         self.pipeline = build_augmentation(self.config)
+        self._kornia = bool(_specs(self.config))  # preset none: no kornia stage
         self._device = torch.device("cpu")
+        text = self.config.rand_augment
+        self.rand_augment: RandAugmentSpec | None = parse_rand_augment(text) if text is not None else None
+        erasing = Erasing.from_options(dict(self.config.erasing)) if self.config.erasing else None
+        # Probability 0 erases nothing: skip the stage (and its copy of the batch).
+        self.erasing = erasing if erasing is not None and erasing.probability > 0 else None
 
     @hookimpl
     def init(self, state: State) -> None:
@@ -370,7 +427,8 @@ class GpuAugmentation(Algorithm):
             warnings.warn(
                 "slipstream: gpu_augmentation crops batches the loader has already cropped at random "
                 "(data.train_crop=random_resized): each image is cropped twice; set data.train_crop=center "
-                "and data.hflip=0 to crop only on the device, or use preset: custom without RandomResizedCrop",
+                "and data.hflip=0 to crop only on the device, or use preset: none or custom without "
+                "RandomResizedCrop",
                 stacklevel=2,
             )
 
@@ -378,10 +436,26 @@ class GpuAugmentation(Algorithm):
     def batch_start(self, state: State) -> None:
         # Training batches only: evaluation fires eval_batch_start, which this plugin leaves alone.
         inputs, *rest = state.batch
-        if inputs.device != self._device:
-            self._device = inputs.device
-            place_pipeline(self.pipeline, inputs.device)
-        seed = batch_seed(state.seed, state.rank, state.timestamp.batch)
         threads = self.config.cpu_threads if inputs.device.type == "cpu" else 0
         with intra_op_threads(threads):
-            state.batch = (augment_batch(inputs, self.pipeline, seed), *rest)
+            if self._kornia:
+                if inputs.device != self._device:
+                    self._device = inputs.device
+                    place_pipeline(self.pipeline, inputs.device)
+                seed = batch_seed(state.seed, state.rank, state.timestamp.batch)
+                inputs = augment_batch(inputs, self.pipeline, seed)
+            if self.rand_augment is not None:
+                # Its own stream of the batch's seed: turning it on leaves the kornia draws as they were.
+                seed = batch_seed(state.seed, state.rank, state.timestamp.batch, "rand_augment")
+                inputs = rand_augment(to_unit_float(inputs), self.rand_augment, seed, self.config.rand_augment_fill)
+        state.batch = (inputs, *rest)
+
+    @hookimpl
+    def before_forward(self, state: State) -> None:
+        # timm erases normalised tensors (zeros are the mean colour, the noise is in units
+        # of the std): the engine has normalised the batch by now.
+        if self.erasing is None:
+            return
+        inputs, *rest = state.batch
+        seed = batch_seed(state.seed, state.rank, state.timestamp.batch, "erasing")
+        state.batch = (random_erase(inputs, self.erasing, seed), *rest)
