@@ -272,11 +272,6 @@ def check_data(cfg: DictConfig) -> None:
             f"data.repeats={cfg.data.repeats} needs a map-style dataset: data.name={cfg.data.name} "
             "streams its samples, each once per epoch; use data.repeats=1"
         )
-    if cfg.data.repeats > 1 and type(dataset).streams:
-        raise ConfigError(
-            f"data.repeats={cfg.data.repeats} needs a map-style dataset: data.name={cfg.data.name} "
-            "streams its samples, each once per epoch; use data.repeats=1"
-        )
 
 
 def parse_algorithm_list(text: str) -> tuple[list[str], list[str]]:
@@ -586,11 +581,6 @@ def validate(cfg: DictConfig) -> TrainerOptions:
         raise ConfigError(
             f"data.eval_batch_size must be at least 1 or null (2 x batch_size), "
             f"got {cfg.data.eval_batch_size}"
-        )
-    if cfg.data.repeats < 1:
-        raise ConfigError(
-            f"data.repeats is how many times each sample is seen per epoch, a whole number from 1 "
-            f"(1: no repeats), got {cfg.data.repeats}"
         )
     if cfg.data.repeats < 1:
         raise ConfigError(
