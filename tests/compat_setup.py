@@ -107,5 +107,6 @@ PROBES = {
     "sam": lambda s: None if s.summary.get("sam_steps") else "no SAM step",
     "stochastic_depth": lambda s: None if s.summary.get("stochastic_depth", {}).get("blocks") else "no block dropped",
     "stepwise_lr": lambda s: None if len(set(s.lrs)) > 1 else f"LR constant {set(s.lrs)}",
+    "swa": lambda s: None if s.summary.get("swa_models") else "no average taken",
     "torch_compile": lambda s: None if s.summary.get("compile_time_s") else "not compiled",
 }
