@@ -12,6 +12,7 @@ slipstream sweep --recipe R --trials N [--sweep-dir D] [--metric accuracy] [--di
                  key=loguniform(a,b) key=uniform(a,b) key=int(a,b) key=choice(x,y) [key=value ...]
 slipstream eval --checkpoint PATH [--recipe R] [--ema | --weights W] [-o metrics.json] [key=value ...]
 slipstream export --checkpoint PATH --format torchscript|onnx|exported-program -o FILE [--ema] [key=value ...]
+slipstream average RUN_DIR --last N | --best N -o FILE [--overwrite]
 slipstream plot RUN_DIR [RUN_DIR ...] [-o runs.png]
 slipstream compare RUN_DIR [RUN_DIR ...] [--target 0.6] [--json]
 slipstream compatibility [--out PATH] [--check] [--algorithms a,b] [--add FILE.py:Class]
@@ -80,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_data(sub)
     _add_eval(sub)
     _add_export(sub)
+    _add_average(sub)
     _add_recipes(sub)
     _add_plot(sub)
     _add_compare(sub)
@@ -240,6 +242,24 @@ def _add_export(sub: Any) -> None:
     export.add_argument("--format", "-f", required=True, choices=("torchscript", "onnx", "exported-program"))
     export.add_argument("--output", "-o", required=True, help="the file to write")
     export.add_argument("--no-check", action="store_true", help="skip the comparison with the eager model")
+
+
+def _add_average(sub: Any) -> None:
+    average = sub.add_parser(
+        "average",
+        help="average the weights of a run's last or best N checkpoints into one checkpoint",
+        description="Average the weights of N checkpoints of a run (timm's avg_checkpoints): the N most "
+        "recent (--last; keep them with trainer.checkpoint_keep >= N) or the N best by the run's "
+        "trainer.best_metric (--best; keep them with trainer.keep_best=N). Every set of weights is "
+        "averaged (the model's, and ema's where the run has it); the file evaluates and exports like "
+        "any checkpoint (slipstream eval/export --checkpoint FILE [--ema]).",
+    )
+    average.add_argument("run", metavar="RUN_DIR", help="the run directory whose checkpoints are averaged")
+    which = average.add_mutually_exclusive_group(required=True)
+    which.add_argument("--last", type=int, metavar="N", help="the N most recent checkpoints")
+    which.add_argument("--best", type=int, metavar="N", help="the N best checkpoints by trainer.best_metric")
+    average.add_argument("--output", "-o", required=True, help="the checkpoint file to write")
+    average.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
 
 
 def _add_recipes(sub: Any) -> None:
@@ -708,6 +728,21 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _average(args: argparse.Namespace) -> int:
+    from slipstream.run.average import average_run
+    from slipstream.run.directory import strict_json
+
+    result = average_run(args.run, args.output, last=args.last, best=args.best, overwrite=args.overwrite)
+    print(strict_json(result, indent=2))
+    steps = ", ".join(str(s["step"]) for s in result["sources"])
+    print(
+        f"slipstream: averaged the {' and '.join(result['weights'])} weights of {result['count']} checkpoints "
+        f"(steps {steps}) into {result['file']}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _recipes(args: argparse.Namespace) -> int:
     from slipstream.config.recipes import bundled, description
 
@@ -841,6 +876,7 @@ _COMMANDS = {
     "sweep": _sweep,
     "eval": _eval,
     "export": _export,
+    "average": _average,
     "plot": _plot,
     "compare": _compare,
     "compatibility": _compatibility,

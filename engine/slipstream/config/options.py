@@ -205,6 +205,11 @@ class TrainerOptions:
     checkpoint_keep: int = setting(
         2, "interval checkpoints kept besides latest.pt; 0 writes only latest.pt; -1 keeps all"
     )
+    # The N best interval checkpoints by best_metric are kept too: what `slipstream
+    # average --best N` averages (`--last N` needs checkpoint_keep >= N).
+    keep_best: int = setting(
+        0, "interval checkpoints also kept for being the best by best_metric (slipstream average --best)"
+    )
     load_path: str | Path | None = setting(None, "a checkpoint to resume from", config=Optional[str])
     # A requeued job: continue from run_dir's latest.pt when it has one, else start
     # (from load_path when given); refused when the saved config differs in training.
@@ -286,6 +291,12 @@ class TrainerOptions:
         _duration(self.checkpoint_interval, f"{prefix}checkpoint_interval")
         _integer(self.log_interval, f"{prefix}log_interval", 1, "a number of batches")
         _integer(self.checkpoint_keep, f"{prefix}checkpoint_keep", -1, "-1 keeps all")
+        _integer(self.keep_best, f"{prefix}keep_best", 0, "0 keeps none for their metric")
+        if self.keep_best and self.best_metric is None and self.checkpoint_interval is not None:
+            raise ConfigError(
+                f"{prefix}keep_best={self.keep_best} keeps the best checkpoints by {prefix}best_metric, "
+                "which is null; set best_metric (accuracy, accuracy_top5 or loss) or keep_best=0"
+            )
         _integer(self.seed, f"{prefix}seed", INT64[0], "a 64-bit seed", high=INT64[1])
         if self.threads is not None:
             _integer(self.threads, f"{prefix}threads", 1, "null for torch's default")

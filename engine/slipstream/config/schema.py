@@ -674,6 +674,12 @@ def warn_no_ops(cfg: DictConfig) -> None:
     t, d = cfg.trainer, cfg.data
     if t.checkpoint_interval is None and changed("trainer.checkpoint_keep"):
         ignored.append("trainer.checkpoint_keep is ignored: trainer.checkpoint_interval=null")
+    if t.checkpoint_interval is None and changed("trainer.keep_best"):
+        ignored.append("trainer.keep_best is ignored: trainer.checkpoint_interval=null")
+    elif t.checkpoint_keep == -1 and changed("trainer.keep_best"):
+        ignored.append("trainer.keep_best is ignored: trainer.checkpoint_keep=-1 keeps every checkpoint")
+    elif t.eval_interval is None and changed("trainer.keep_best"):
+        ignored.append("trainer.keep_best is ignored: trainer.eval_interval=null (no checkpoint has a metric)")
     if t.eval_interval is None and changed("data.eval_batch_size"):
         ignored.append("data.eval_batch_size is ignored: trainer.eval_interval=null")
     if cfg.optimizer.head is not None and cfg.optimizer.backbone_lr_scale is None:

@@ -112,6 +112,7 @@ def assemble(
         write=write,
         guard=before_checkpoint,
         best_metric=options.best_metric,
+        keep_best=options.keep_best,
     )
     pm.register(checkpointer, name=Checkpointer.name)
     pm.register(losses, name=TrainLosses.name)

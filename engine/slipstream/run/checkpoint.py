@@ -176,8 +176,10 @@ def load_shards(template: dict[str, Any], path: Path, payload: Mapping[str, Any]
     return {**template, **parts}
 
 
-def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """Read a checkpoint written by Slipstream, or raise CheckpointError saying why not."""
+def load_checkpoint(path: str | Path, map_location: Any = "cpu", *, mmap: bool = False) -> dict[str, Any]:
+    """Read a checkpoint written by Slipstream, or raise CheckpointError saying why not.
+    ``mmap``: the tensors stay in the file, read when used (a reader of many
+    checkpoints, or of their metadata only, holds none in memory)."""
     path = Path(path)
     if path.is_dir():
         run = RunDir(path)
@@ -190,7 +192,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
+        payload = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as exc:
         from slipstream.run.corrupt_checkpoint import unreadable_reason
 
@@ -388,6 +390,7 @@ RESUME_MAY_CHANGE = (
     "trainer.log_interval",
     "trainer.checkpoint_interval",
     "trainer.checkpoint_keep",
+    "trainer.keep_best",
     "trainer.eval_interval",
     "trainer.best_metric",
     "trainer.target_accuracy",
@@ -519,6 +522,7 @@ def restore_checkpoint(
     path = Path(path)
     if payload is None:
         payload = load_checkpoint(path, map_location=state.device)
+    refuse_averaged(payload, path)
     # torch loads another optimizer's state without a word and fails at the
     # first step, so the class is compared first (older checkpoints lack it).
     saved_class = payload.get("optimizer_class")
@@ -632,7 +636,21 @@ def find_start(options: Any, config: Mapping[str, Any], device: Any, verbose: bo
         raise CheckpointError(f"trainer.load_path: checkpoint {start.path} does not exist")
     if start.continues is not None and start.payload is None:
         start.payload = load_checkpoint(start.path, map_location=device)
+    if start.payload is not None:
+        refuse_averaged(start.payload, start.path)
     return start
+
+
+def refuse_averaged(payload: Mapping[str, Any], path: Any) -> None:
+    """A checkpoint of ``slipstream average`` holds averaged weights and no optimizer
+    state, schedules or generators: nothing a run could continue exactly."""
+    averaged = payload.get("averaged")
+    if isinstance(averaged, Mapping):
+        raise CheckpointError(
+            f"checkpoint {path} is an average of {len(averaged.get('sources') or ())} checkpoints "
+            "(slipstream average): it holds weights but no optimizer state to continue a run from; "
+            "fine-tune from it with trainer.load_weights_only=true, or evaluate or export it"
+        )
 
 
 def _autoresumed(run_dir: Path, config: Mapping[str, Any], start: StartFrom, device: Any, verbose: bool) -> StartFrom:

@@ -4,9 +4,13 @@ Files go to ``RUN_DIR/checkpoints/ep{E}-ba{B}.pt``; the newest is also
 ``latest.pt``. ``best.pt`` is written at each evaluation that improves the
 monitored metric (``best_metric``: eval ``accuracy`` or ``accuracy_top5``, higher is
 better, or eval ``loss``, lower is better) and records it under ``"best"`` (metric,
-value, step, epoch). Only rank 0 writes. Without an interval nothing is written. A
-checkpoint whose weights are not all finite is never written, so ``latest.pt`` and
-``best.pt`` stay the last good ones.
+value, step, epoch). A checkpoint written after an evaluation of its step holds that
+evaluation's metrics under ``"eval"`` (step, epoch, loss, accuracy, ...). The last
+``keep`` interval checkpoints are kept, and with ``keep_best`` also the ``keep_best``
+best by ``best_metric`` among those evaluated at their step (what
+``slipstream average --best N`` averages); older ones are deleted. Only rank 0
+writes. Without an interval nothing is written. A checkpoint whose weights are not
+all finite is never written, so ``latest.pt`` and ``best.pt`` stay the last good ones.
 
 When the model's or optimizer's state is sharded (DTensors, from a parallelism
 plugin's ``state_dicts``), every rank writes its shards with
@@ -57,6 +61,7 @@ class Checkpointer:
         write: bool = True,
         guard: Callable[[State], bool] | None = None,
         best_metric: str | None = "accuracy",
+        keep_best: int = 0,
     ) -> None:
         self.paths = RunDir(Path(run_dir))
         self.build_payload = build_payload
@@ -64,8 +69,14 @@ class Checkpointer:
         self.guard = guard
         self.interval = RunInterval(interval)
         self.keep = keep
+        self.keep_best = keep_best
         self.write = write
         self._written: list[Path] = []
+        self._steps: dict[Path, int] = {}  # the step of each interval checkpoint in _written
+        # best_metric's value at each evaluated step, for keep_best; and the last
+        # evaluation's record, which a checkpoint of the same step carries.
+        self._values: dict[int, float] = {}
+        self._evaluated: dict[str, Any] | None = None
         self._last_saved_batch: int | None = None
         self.best_metric = best_metric  # checked with the run's options
         self.best: dict[str, Any] | None = None  # what best.pt holds: metric, value, step, epoch
@@ -77,7 +88,14 @@ class Checkpointer:
             # A resumed run counts the interval checkpoints the run before it left
             # (up to its step) against checkpoint_keep: each requeue would otherwise
             # leave up to `keep` more behind.
-            self._written = [path for step, path in self.paths.interval_checkpoints() if step <= state.timestamp.batch]
+            found = [(step, path) for step, path in self.paths.interval_checkpoints() if step <= state.timestamp.batch]
+            self._written = [path for _, path in found]
+            self._steps = {path: step for step, path in found}
+            if self.keep_best and self.best_metric is not None:
+                from slipstream.run.average import evaluated_values
+
+                values = evaluated_values(self.paths, self.best_metric)
+                self._values = {step: v for step, v in values.items() if step <= state.timestamp.batch}
         if state.timestamp.batch > 0 and self.paths.best.is_file():
             # A resumed run: the best so far is the one best.pt holds.
             try:
@@ -138,12 +156,19 @@ class Checkpointer:
 
     @hookimpl
     def eval_end(self, state: State) -> None:
-        if not self.interval.enabled or self.best_metric is None:
+        if not self.interval.enabled:
+            return
+        ts = state.timestamp
+        self._evaluated = {"step": ts.batch, "epoch": state.epochs_done(), **state.eval_metrics}
+        if self.best_metric is None:
             return
         value = state.eval_metrics.get(self.best_metric)
         # Eval metrics are the same on every rank (all-reduced): all ranks agree here.
         if value is None or not math.isfinite(value) or not math.isfinite(state.eval_metrics["loss"]):
             return
+        self._values[ts.batch] = value
+        if self.keep_best and self.write:  # the checkpoint of this step may be saved already
+            self._prune(ts.batch)
         if self.best is not None:
             higher = BEST_METRICS[self.best_metric]
             if (value <= self.best["value"]) if higher else (value >= self.best["value"]):
@@ -182,6 +207,8 @@ class Checkpointer:
                 return None
         if not self.write:
             return payload
+        if self._evaluated is not None and self._evaluated["step"] == ts.batch:
+            payload = {**payload, "eval": self._evaluated}
         bad = [] if sharded else nonfinite_tensors(payload["model"])
         if bad:
             kept = (
@@ -205,18 +232,36 @@ class Checkpointer:
         if payload is None or not self.write:
             return None
         ts = state.timestamp
-        if self.keep == 0:  # none kept besides latest.pt: none written
+        if self.keep == 0 and not self.keep_best:  # none kept besides latest.pt: none written
             return save_checkpoint(payload, self.paths.latest)
         path = save_checkpoint(payload, self.paths.checkpoint(state.epochs_done(), ts.batch))
         save_checkpoint(payload, self.paths.latest)
         if path in self._written:  # the same step written again (a resume from before it)
             self._written.remove(path)
         self._written.append(path)
-        while self.keep >= 0 and len(self._written) > self.keep:
-            old = self._written.pop(0)
+        self._steps[path] = ts.batch
+        self._prune(ts.batch)
+        return path
+
+    def _prune(self, now: int) -> None:
+        """Delete the interval checkpoints neither among the last ``keep`` nor among the
+        ``keep_best`` best; one of step ``now`` not yet evaluated stays (the run's final
+        evaluation comes after its last checkpoint)."""
+        if self.keep < 0:
+            return
+        kept = set(self._written[max(0, len(self._written) - self.keep) :])
+        if self.keep_best:
+            higher = BEST_METRICS[self.best_metric] if self.best_metric else True
+            scored = [p for p in self._written if self._steps.get(p) in self._values]
+            # The best first; of equal values the later step.
+            scored.sort(key=lambda p: (self._values[self._steps[p]] * (1 if higher else -1), self._steps[p]))
+            kept.update(scored[max(0, len(scored) - self.keep_best) :])
+            kept.update(p for p in self._written if self._steps.get(p) == now and now not in self._values)
+        for old in [p for p in self._written if p not in kept]:
+            self._written.remove(old)
+            self._steps.pop(old, None)
             old.unlink(missing_ok=True)
             shutil.rmtree(self.paths.shards_of(old), ignore_errors=True)
-        return path
 
     def _save_shards(
         self, state: State, payload: dict[str, Any], sharded: list[str]
