@@ -46,7 +46,7 @@ def test_the_dry_run_installs_offline_trains_the_pair_and_reports(dry_run):
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["dry_run"] is True
     assert {name: step["exit"] for name, step in report["steps"].items()} == {
-        "install": 0, "cuda_tests": None, "baseline": 0, "fast": 0, "plain_loop": 0,
+        "install": 0, "cuda_tests": None, "baseline": 0, "fast": 0, "plain_loop": 0, "decode": 0,
     }
     install_log = (out / "install.log").read_text()
     assert "algorithms load from" in install_log  # the engine and plugins came from the temporary target

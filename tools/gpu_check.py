@@ -262,6 +262,16 @@ def _plain_loop(log: Path) -> list[str]:
     return [] if start is None else lines[start:]
 
 
+def _decode(log: Path) -> list[str]:
+    """``bench_decode.py``'s rates (the log's lines from its first on, unstamped)."""
+    if not log.is_file():
+        return []
+    stamp = re.compile(r"^\s*\d+\.\d  ")
+    lines = [stamp.sub("", line, count=1) for line in log.read_text().splitlines()]
+    start = next((i for i, line in enumerate(lines) if "JPEGs of" in line), None)
+    return [] if start is None else lines[start:]
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -290,6 +300,7 @@ def report(out: Path, work: Path, dry_run: bool) -> int:
     tests = _tests(work / "cuda_tests.xml")
     pair = _pair(work)
     plain = _plain_loop(work / "plain_loop.log")
+    decode = _decode(work / "decode.log")
     result = {
         "dry_run": dry_run,
         "device": device,
@@ -300,6 +311,7 @@ def report(out: Path, work: Path, dry_run: bool) -> int:
         "cuda_tests": tests,
         "pair": pair,
         "plain_loop": plain,
+        "decode": decode,
     }
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     lines = [
@@ -346,6 +358,9 @@ def report(out: Path, work: Path, dry_run: bool) -> int:
     if plain:
         lines += ["", "the pair's network on random data on the device (benchmarks/bench_plain_loop.py):"]
         lines += [f"  {line}" for line in plain]
+    if decode:
+        lines += ["", "JPEG decoding, data.decode=gpu against cpu (benchmarks/bench_decode.py):"]
+        lines += [f"  {line}" for line in decode]
     text = "\n".join(lines) + "\n"
     (out / "gpu_check.txt").write_text(text)
     print(text, end="")

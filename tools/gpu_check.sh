@@ -9,8 +9,9 @@
 #      width, batch 512, 25k synthetic images; resnet18_baseline (fp32) against
 #      resnet18_fast + bf16 + channels-last + torch.compile,
 #   5. times the same network in a hand-written loop and through the Trainer (MFU's reference),
-#   6. writes gpu_check.json and gpu_check.txt (and the logs) to $OUT.
-# Every step has a time limit; together they end within 8 minutes on an H100.
+#   6. times data.decode=gpu (nvJPEG) against cpu on 176 px crops of photo-sized JPEGs,
+#   7. writes gpu_check.json and gpu_check.txt (and the logs) to $OUT.
+# Every step has a time limit; 560 s together (the steps before decode ended within 8 minutes on an H100).
 #
 #   bash tools/gpu_check.sh             on the GPU machine (python3, or $PYTHON)
 #   bash tools/gpu_check.sh --dry-run   here: the same steps at toy size on the CPU
@@ -23,7 +24,7 @@ DRY=0
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument '$arg'; allowed: --dry-run, --help" >&2; exit 2 ;;
     esac
 done
@@ -107,7 +108,7 @@ SELECT=(); [[ -n "${GPU_CHECK_TESTS:-}" ]] && SELECT=(-k "$GPU_CHECK_TESTS")
 step cuda_tests 150 "$PYTHON" -m pytest -v -m cuda -rs -p no:cacheprovider --junitxml="$WORK/cuda_tests.xml" "${SELECT[@]}" \
     tests/cuda/test_cuda_precision.py tests/algorithms/test_mixed_precision.py \
     tests/algorithms/test_matmul_precision.py tests/cuda/test_cuda_data.py \
-    tests/cuda/test_cuda_compile_memory.py tests/cuda/test_cuda_distributed.py
+    tests/cuda/test_cuda_decode.py tests/cuda/test_cuda_compile_memory.py tests/cuda/test_cuda_distributed.py
 
 # 4. The time-to-accuracy pair: fp32 baseline, then the fast recipe with bf16,
 # channels-last and torch.compile. Each run in its own process and time limit.
@@ -145,7 +146,17 @@ else
 fi
 step plain_loop 60 "$PYTHON" benchmarks/bench_plain_loop.py "${PLAIN[@]}" --engine
 
-# 6. The report, and the logs beside it (at most 8 files come back from $OUT).
+# 6. JPEG decoding: the imagefolder loader's 176 px random resized crops of 500x375
+# photos (quality 90), data.decode=gpu (the workers read bytes, nvJPEG decodes each
+# batch on the device) against cpu (the workers' PIL decode), every core a worker.
+if [[ $DRY == 1 ]]; then
+    DECODE=(--dry-run --threads 1)
+else
+    DECODE=(--images 4096 --workers "$(nproc)" --size 176 --batch 256 --repeats 2)
+fi
+step decode 90 "$PYTHON" benchmarks/bench_decode.py --what decode "${DECODE[@]}"
+
+# 7. The report, and the logs beside it (at most 8 files come back from $OUT).
 "$PYTHON" tools/gpu_check.py report --out "$OUT" --work "$WORK" "${DRYFLAG[@]}" || exit 1
 for f in install cuda_tests baseline fast plain_loop; do [[ -f "$WORK/$f.log" ]] && cp "$WORK/$f.log" "$OUT/$f.log"; done
 [[ -f "$WORK/cuda_tests.xml" ]] && cp "$WORK/cuda_tests.xml" "$OUT/"

@@ -10,6 +10,8 @@ Two schedule shapes:
   ``increment`` px every ``every`` (``5ep``, ``1000ba``, ``0.1dur``), up to full size.
 
 Evaluation batches are never touched: the model is always evaluated at full size.
+Where the training images are cut from files (``in_loader``), the loader's workers cut
+each batch at its size, instead of a full-size batch shrunk on the device.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from slipstream import (
     plugin_option,
     to_unit_float,
 )
+from slipstream.data import output_size_of, set_output_size
 
 SCHEDULES = ("linear", "stepped")
 MODES = ("bilinear", "nearest", "random_crop")
@@ -56,6 +59,11 @@ class ImageSizeCurriculumConfig:
     size_multiple: Optional[int] = plugin_option(None, low=0, whole=True, note="0 or null = automatic")
     mode: str = plugin_option("bilinear", choices=MODES)
     antialias: bool = True
+    # Tell the loader each batch's size, so its workers cut small crops instead of
+    # full-size ones shrunk on the device (FFCV's progressive resizing): with the
+    # bilinear mode, where the data can (images cut from files by a geometry); the
+    # batches are resized on the device otherwise.
+    in_loader: bool = True
 
     def __post_init__(self) -> None:
         check_plugin_options(self)
@@ -194,6 +202,8 @@ class ImageSizeCurriculum(Algorithm):
         self.multiple = (1, 1)
         self.size: tuple[int, int] | None = None  # the size of the last training batch
         self._checked_schedule = False
+        self._loader = None  # the training loader that cuts at the told sizes (in_loader)
+        self._full = 0  # its own size
 
     @hookimpl
     def init(self, state: State) -> None:
@@ -208,11 +218,63 @@ class ImageSizeCurriculum(Algorithm):
             )
         self.multiple = (chosen, chosen) if chosen else (patch or (1, 1))
         state.varying_input_size = True
+        self._loader = None
+        if self.loader_cuts(state.train_loader):
+            self._loader, self._full = state.train_loader, int(output_size_of(state.train_loader))
+
+    def loader_cuts(self, loader: object) -> bool:
+        """Whether the loader will cut the images at the schedule's sizes: ``in_loader``
+        on, the antialiased ``bilinear`` mode (the loader's resize is one too), square
+        multiples, and a loader that can (:func:`slipstream.data.set_output_size`: images
+        cut from files by a geometry). Told None here, so an earlier run's sizes go."""
+        cfg = self.config
+        wanted = cfg.in_loader and cfg.mode == "bilinear" and cfg.antialias and self.multiple[0] == self.multiple[1]
+        return bool(wanted and output_size_of(loader) and set_output_size(loader, None))
+
+    @hookimpl
+    def epoch_start(self, state: State) -> None:
+        if self._loader is None:
+            return
+        # Each batch's size, as batch_start will compute it, for the workers to cut at
+        # (a resumed epoch gets the same list, so the same crops).
+        sizes = [self._size_of_batch(state, b) for b in range(state.batches_per_epoch or 0)]
+        set_output_size(self._loader, [0 if size >= self._full else size for size in sizes] or None)
+
+    def _size_of_batch(self, state: State, batch: int) -> int:
+        """The size for batch ``batch`` of the current epoch, with the time computed as
+        ``state.time_in`` will compute it then (so the two agree to the last bit); the
+        full size where that time is unknown now (a wall clock)."""
+        unit, ts, per_epoch = self.config.time_unit, state.timestamp, state.batches_per_epoch
+        total = state.max_duration
+
+        def time_in(u: str) -> float | None:
+            if u == "ep":
+                return ts.epoch + batch / per_epoch
+            if u == "ba":
+                return float(ts.epoch * per_epoch + batch)
+            if u == "sp" and state.global_batch_size:
+                return float((ts.epoch * per_epoch + batch) * state.global_batch_size)
+            return None
+
+        if unit == "dur":
+            now = time_in(total.unit)
+            t = None if now is None else (min(1.0, now / total.value) if total.value > 0 else 1.0)
+        else:
+            t = time_in(unit)
+        return self._full if t is None else size_at(self.config, t, self._full, self.multiple[0])
+
+    @hookimpl
+    def fit_end(self, state: State) -> None:
+        if self._loader is not None:  # the loader cuts at its own size again, for whoever reads it next
+            set_output_size(self._loader, None)
 
     @hookimpl
     def batch_start(self, state: State) -> None:
         inputs, *rest = state.batch
-        full = tuple(inputs.shape[-2:])
+        shape = tuple(inputs.shape[-2:])
+        # Where the loader cuts the sizes, the batch may be small already: the schedule
+        # is relative to the loader's own size.
+        full = (self._full, self._full) if self._loader is not None else shape
         if not self._checked_schedule:
             self._checked_schedule = True
             self._warn_if_full_size_is_late(state, max(full))
@@ -220,8 +282,8 @@ class ImageSizeCurriculum(Algorithm):
         pairs = zip(full, self.multiple, strict=True)
         size = tuple(size_at(self.config, t, side, multiple) for side, multiple in pairs)
         self.size = size
-        if size == full:
-            return
+        if size == shape:
+            return  # full size, or cut at this size by the loader's workers
         generator = batch_generator(state) if self.config.mode == "random_crop" else None
         resized = resize_batch(inputs, size, self.config.mode, generator, self.config.antialias)
         state.batch = (resized, *rest)

@@ -256,3 +256,76 @@ def test_config_errors(options, message):
         plugin_config(ImageSizeCurriculum, options)
     assert "image_size_curriculum" in str(info.value)
     assert message in str(info.value)
+
+
+# -- in_loader: the loader cuts each epoch's images at the curriculum's size ----------------
+
+RAMP = {"delay": 0, "finetune": 0, "initial_scale": 0.5}  # 24 px data: 12, 15, 18, 21 px over 2 epochs of 2
+
+
+@pytest.fixture(scope="module")
+def photo_tree(tmp_path_factory):
+    from test_geometry import photo
+
+    root = tmp_path_factory.mktemp("curriculum_photos")
+    for split in ("train", "val"):
+        for i in range(8):
+            folder = root / split / f"c{i % 4}"
+            folder.mkdir(parents=True, exist_ok=True)
+            photo(i).save(folder / f"{i}.jpg", quality=92)
+    return root
+
+
+def photo_loaders(root, size: int = 24):
+    from slipstream.config.schema import build_config
+    from slipstream.data import DataRequest, build_dataset_plugin
+    from slipstream.data.geometry import geometries
+
+    cfg = build_config(None, None, ["data.name=imagefolder", f"data.root={root}", f"data.image_size={size}"])
+    train_g, eval_g = geometries(cfg.data, True, seed=3)
+    request = DataRequest(image_size=size, batch_size=4, eval_batch_size=4, seed=3,
+                          train_geometry=train_g, eval_geometry=eval_g)  # fmt: skip
+    built = build_dataset_plugin(dict(cfg.data)).build(request)
+    return built.train, built.eval
+
+
+def _photo_run(path, root, options, **kwargs):
+    probe, inputs = _inputs_probe(kwargs.pop("stop_at", None))
+    train_data, _ = photo_loaders(root)
+    # Not normalised: the inputs are the loader's pixels / 255.
+    trainer = train(path, [curriculum(**options), probe], train_data=train_data, max_duration="2ep",
+                    eval_interval=None, image_size=24, normalize=None, **kwargs)  # fmt: skip
+    return trainer, inputs
+
+
+def test_in_loader_the_workers_cut_each_batch_at_its_size_and_resume_exactly(photo_tree, tmp_path):
+    from slipstream import to_unit_float
+
+    _, told = _photo_run(tmp_path / "told", photo_tree, RAMP)  # in_loader is on by default
+    assert [told[step].shape[-1] for step in sorted(told)] == [12, 15, 18, 21]  # batch by batch
+    # The same crops as a loader made at 12 px: the box is drawn on the whole picture,
+    # whatever the output size, and cut straight to it. (allclose: the engine's division
+    # may round the last bit otherwise than to_unit_float's.)
+    small, _ = photo_loaders(photo_tree, 12)
+    small.sampler.set_epoch(0)
+    assert torch.allclose(to_unit_float(next(iter(small))[0]), told[1], atol=1e-6)
+    # Off: full-size crops shrunk on the device (other pixels, the same sizes).
+    _, resized = _photo_run(tmp_path / "resized", photo_tree, {**RAMP, "in_loader": False})
+    assert [resized[step].shape[-1] for step in sorted(resized)] == [12, 15, 18, 21]
+    assert (resized[1] - told[1]).abs().mean() > 1e-3
+    # Stopped mid-epoch 0 and resumed: the epoch's sizes are told again, the same crops follow.
+    first, _ = _photo_run(tmp_path / "split", photo_tree, RAMP, stop_at=1)
+    checkpoint = first.run_dir / "checkpoints" / "latest.pt"
+    _, after = _photo_run(tmp_path / "split", photo_tree, RAMP, load_path=checkpoint)
+    assert sorted(after) == [2, 3, 4]
+    for step, batch in after.items():
+        assert torch.equal(batch, told[step]), f"step {step} differs after the resume"
+
+
+def test_in_loader_on_data_that_cannot_or_another_mode_resizes_on_the_device(photo_tree):
+    from helpers import tiny_loaders
+
+    algo = curriculum()
+    assert algo.loader_cuts(photo_loaders(photo_tree)[0])
+    assert not algo.loader_cuts(tiny_loaders()[0])  # tensors in memory: nothing cuts them
+    assert not curriculum(mode="random_crop").loader_cuts(photo_loaders(photo_tree)[0])

@@ -23,6 +23,8 @@ _EXPORTS = {
     "build_datasets": "datasets",
     "read_rgb": "datasets",
     "build_loader": "loaders",
+    "set_output_size": "loaders",
+    "output_size_of": "loaders",
     "EpochSampler": "sampler",
     "SyntheticShapes": "synthetic",
     "DatasetPlugin": "sources",

@@ -18,7 +18,7 @@ import hashlib
 import io
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +64,19 @@ class Geometry:
     crop_pct: float = 1.0
     reduced_decoding: bool = True
     seed: int = 0
+    # data.decode=gpu or auto: while its ``on`` is set, a baseline RGB JPEG is not
+    # decoded here but returned as its bytes and its crop (slipstream.data.gpu_decode),
+    # for the main process to decode the batch on the GPU. Shared by a run's train and
+    # eval geometries; None: always decoded here (data.decode=cpu).
+    switch: Any = field(default=None, compare=False, repr=False)
 
     @property
     def random(self) -> bool:
         return self.crop == "random_resized" or self.hflip > 0
+
+    def at(self, size: int) -> Geometry:
+        """The same cut to another output ``size`` (a curriculum's smaller images)."""
+        return self if size == self.size else replace(self, size=size)
 
     # -- the box -----------------------------------------------------------------------
     def box(self, width: int, height: int, rng: random.Random | None) -> tuple[float, float, float, float]:
@@ -94,10 +103,16 @@ class Geometry:
         return random.Random(epoch_seed(seed, repeat) if repeat else seed)
 
     # -- images --------------------------------------------------------------------------
-    def load(self, source: str | Path | bytes | bytearray | memoryview, key: Any = 0) -> torch.Tensor:
+    def load(self, source: str | Path | bytes | bytearray | memoryview, key: Any = 0) -> Any:
         """Decode an image file (a path) or its bytes, cropped and resized: a uint8
-        ``3 x size x size`` tensor. Raises what Pillow raises for what it cannot read."""
+        ``3 x size x size`` tensor. Raises what Pillow raises for what it cannot read.
+
+        A key that tells a size (a sampler's :class:`SampleKey` with ``size``: an
+        image-size curriculum's epoch) is cut to that size instead. With the GPU decode
+        on (``switch``), a baseline RGB JPEG comes back as an ``Encoded`` (its bytes and
+        the crop drawn here, from the same generator) for the main process to decode."""
         rng = self.generator(key)
+        size = getattr(key, "size", 0) or self.size
         opened = io.BytesIO(bytes(source)) if isinstance(source, (bytes, bytearray, memoryview)) else source
         with Image.open(opened) as image:
             # Parsed only where the file has EXIF data (most photos' cost is the decode).
@@ -105,7 +120,13 @@ class Geometry:
             raw_w, raw_h = image.size
             upright = (raw_h, raw_w) if orientation in (5, 6, 7, 8) else (raw_w, raw_h)
             left, top, right, bottom = self.box(*upright, rng)
-            factor = min(right - left, bottom - top) / self.size
+            # Drawn before any decode: the GPU path draws the same flip from the same generator.
+            flip = bool(rng is not None and self.hflip and rng.random() < self.hflip)
+            if self.switch is not None and self.switch.on and image.format == "JPEG" and image.mode == "RGB":
+                from slipstream.data.gpu_decode import encoded
+
+                return encoded(source, (left, top, right, bottom), size, flip, orientation, self.interpolation)
+            factor = min(right - left, bottom - top) / size
             if self.reduced_decoding and image.format == "JPEG" and factor >= 2:
                 image.draft("RGB", (math.ceil(raw_w / factor), math.ceil(raw_h / factor)))
             shrink = raw_w / image.size[0]  # 1, 2, 4 or 8 after a draft
@@ -113,12 +134,12 @@ class Geometry:
             if orientation in _ORIENTATIONS:
                 image = image.transpose(_ORIENTATIONS[orientation])
             box = (left / shrink, top / shrink, right / shrink, bottom / shrink)
-            out = image.resize((self.size, self.size), INTERPOLATIONS[self.interpolation], box=box)
-        if rng is not None and self.hflip and rng.random() < self.hflip:
+            out = image.resize((size, size), INTERPOLATIONS[self.interpolation], box=box)
+        if flip:
             out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return torch.from_numpy(np.array(out)).permute(2, 0, 1)
 
-    def decode(self, data: bytes | bytearray | memoryview | str | Path, name: str, key: Any = 0) -> torch.Tensor:
+    def decode(self, data: bytes | bytearray | memoryview | str | Path, name: str, key: Any = 0) -> Any:
         """:meth:`load`, with what no decoder reads (or an empty file) a DataError
         naming the sample ``name``."""
         if isinstance(data, (bytes, bytearray, memoryview)) and not len(data):
@@ -137,8 +158,9 @@ class Geometry:
         from torchvision.transforms import InterpolationMode, v2
 
         rng = self.generator(key)
+        size = getattr(key, "size", 0) or self.size  # a curriculum's size, where the key tells one
         height, width = image.shape[-2:]
-        if self.crop == "none" and (height, width) == (self.size, self.size):
+        if self.crop == "none" and (height, width) == (size, size):
             out = image
         else:
             left, top, right, bottom = self.box(width, height, rng)
@@ -148,7 +170,7 @@ class Geometry:
                 round(left),
                 round(bottom - top),
                 round(right - left),
-                [self.size, self.size],
+                [size, size],
                 interpolation=InterpolationMode(self.interpolation),
                 antialias=True,
             )
@@ -243,7 +265,10 @@ def geometries(data: Any, photos: bool, seed: int = 0) -> tuple[Geometry, Geomet
     scale, ratio = pair("scale"), pair("ratio")
     if scale[1] > 1:
         raise ConfigError(f"data.scale is a fraction of the image's area, at most 1, got {list(scale)}")
-    common = dict(interpolation=interpolation, reduced_decoding=bool(data.get("reduced_decoding", True)), seed=seed)
+    from slipstream.data.gpu_decode import decode_switch
+
+    common = dict(interpolation=interpolation, reduced_decoding=bool(data.get("reduced_decoding", True)), seed=seed,
+                  switch=decode_switch(data.get("decode")))  # fmt: skip
     # A centre crop for training is today's square of the whole shorter side.
     train = Geometry(size, crop=crop, scale=scale, ratio=ratio, hflip=hflip, **common)
     return train, Geometry(eval_size, crop="center" if photos or crop_pct < 1 else "none", crop_pct=crop_pct,

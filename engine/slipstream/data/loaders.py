@@ -4,6 +4,7 @@ stop_workers: end a loader's persistent worker processes."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -61,7 +62,16 @@ def build_loader(
         keyed=bool(getattr(dataset, "keyed", False)),  # its samples' random crops need the epoch
         repeats=repeats,
     )
-    return DataLoader(
+    # data.decode=gpu or auto: its items may be JPEG bytes, decoded on the GPU per batch.
+    switch = getattr(getattr(dataset, "geometry", None), "switch", None)
+    cls = DataLoader
+    if switch is not None:
+        from slipstream.data.gpu_decode import DeviceDecodingLoader, collate
+
+        cls, extra = DeviceDecodingLoader, {"collate_fn": collate}
+    else:
+        extra = {}
+    return cls(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -73,6 +83,7 @@ def build_loader(
         persistent_workers=persistent_workers and num_workers > 0,
         worker_init_fn=seed_worker if num_workers > 0 else None,
         generator=sampler.generator,
+        **extra,
     )
 
 
@@ -89,3 +100,34 @@ def stop_workers(*loaders: object) -> None:
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
             loader._iterator = None
+
+
+def set_output_size(loader: object, size: int | Sequence[int] | None) -> bool:
+    """Tell ``loader`` the side of the images it cuts from the next ``iter`` on (an
+    epoch): its workers decode small crops directly instead of full ones that are shrunk
+    later (FFCV's progressive resizing). ``size``: one side for the epoch, or one per
+    global batch of the epoch (0 or None: the images' own size).
+
+    True where the loader can: a :func:`build_loader` loader whose sampler gives keys
+    (its items are cut per sample by a geometry: ImageFolder trees, Hugging Face tables,
+    random crops of in-memory images); the keys carry each batch's size to the workers,
+    persistent ones too. A :class:`~slipstream.data.stream.StreamLoader` over a source cut
+    by a geometry (WebDataset shards) starts its workers each epoch with one size: the
+    largest of those given (the caller shrinks the smaller batches). False for anything
+    else (the caller resizes the batches itself)."""
+    setter = getattr(loader, "set_output_size", None)
+    if callable(setter):
+        return bool(setter(size))
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, EpochSampler) or not sampler.keyed:
+        return False
+    sampler.output_size = int(size or 0) if size is None or isinstance(size, int) else [int(s or 0) for s in size]
+    return True
+
+
+def output_size_of(loader: object) -> int | None:
+    """The side of the images ``loader`` cuts when it is told none (its geometry's size);
+    None where it cuts none (see :func:`set_output_size`)."""
+    # A stream's own (its source's is the epoch's, where it reads in this process).
+    geometry = getattr(loader, "geometry", None) or getattr(getattr(loader, "dataset", None), "geometry", None)
+    return getattr(geometry, "size", None)

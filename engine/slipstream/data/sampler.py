@@ -16,7 +16,7 @@ repeat index, so each is cropped differently.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,19 +38,22 @@ def epoch_seed(seed: int, epoch: int) -> int:
 class SampleKey(int):
     """A sample's index that carries the epoch it is read in and which of its repeats
     this is (what a sampler built with ``keyed=True`` yields): an ``int`` to every
-    dataset, and the seed of its random crop to one that asks."""
+    dataset, and the seed of its random crop to one that asks. ``size``: the output size
+    the loader was told for its batch (an image-size curriculum's), 0 where none was."""
 
     epoch: int
     repeat: int
+    size: int
 
-    def __new__(cls, index: int, epoch: int = 0, repeat: int = 0) -> SampleKey:
+    def __new__(cls, index: int, epoch: int = 0, repeat: int = 0, size: int = 0) -> SampleKey:
         key = super().__new__(cls, index)
         key.epoch = epoch
         key.repeat = repeat
+        key.size = size
         return key
 
-    def __reduce__(self) -> tuple[Any, ...]:  # to a worker and back, epoch and repeat included
-        return SampleKey, (int(self), self.epoch, self.repeat)
+    def __reduce__(self) -> tuple[Any, ...]:  # to a worker and back, all it carries included
+        return SampleKey, (int(self), self.epoch, self.repeat, self.size)
 
 
 class EpochSampler(Sampler[int]):
@@ -109,6 +112,11 @@ class EpochSampler(Sampler[int]):
         # crops seeds them from it, in whichever worker reads the sample).
         self.keyed = keyed
         self.repeats = repeats
+        # The images' side in this epoch, told by an image-size curriculum
+        # (slipstream.data.loaders.set_output_size): one int, or one per global batch of
+        # the epoch; 0: the geometry's own. It travels in the keys, so persistent
+        # workers learn it with each sample.
+        self.output_size: int | Sequence[int] = 0
         self.epoch = 0
         self.start_batch = 0
         # The loader draws its workers' base seed from this generator when an iterator is
@@ -169,17 +177,18 @@ class EpochSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         order = self.permutation()
-        repeats, epoch = self.repeats, self.epoch
+        repeats, epoch, sizes = self.repeats, self.epoch, self.output_size
         for b in range(self.start_batch, self.batches_per_epoch):
+            size = sizes if isinstance(sizes, int) else (sizes[b] if b < len(sizes) else 0)
             at = self._rank_positions(b)
             indices = order[at.start : at.stop : at.step].tolist()
             if not self.keyed:
                 yield from indices
             elif repeats > 1:
                 # The repeat index is the position's place in its run of repeats.
-                yield from (SampleKey(i, epoch, p % repeats) for i, p in zip(indices, at, strict=True))
+                yield from (SampleKey(i, epoch, p % repeats, size) for i, p in zip(indices, at, strict=True))
             else:
-                yield from (SampleKey(i, epoch) for i in indices)
+                yield from (SampleKey(i, epoch, 0, size) for i in indices)
 
     def __len__(self) -> int:
         full = self.num_samples // self.global_batch_size

@@ -58,6 +58,10 @@ class DataConfig:
     eval_image_size: Optional[int] = None  # null: image_size
     crop_pct: Optional[float] = None  # evaluation: the centre crop's fraction of the shorter side
     reduced_decoding: bool = True  # JPEG decoded at 1/2, 1/4 or 1/8 scale where the crop allows
+    # Where JPEGs are decoded: cpu (the loader's workers) | gpu (nvJPEG, in batches on the
+    # run's CUDA device; the workers read bytes and draw the crops) | auto (measured at
+    # the start, docs/auto.md). slipstream.data.gpu_decode.
+    decode: str = "cpu"
 
 
 # DataConfig's keys that only some dataset plugins read: those whose config_class

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from slipstream.data.datasets import DataError
 from slipstream.data.decode import SkipLog
+from slipstream.data.gpu_decode import device_batches, stack_images
 from slipstream.data.sampler import epoch_seed
 
 
@@ -83,6 +84,9 @@ class _EpochStream(IterableDataset):
         self.start_batch = loader.start_batch
         self.workers = max(1, loader.num_workers)
         self.replace = loader.replace_unreadable
+        # The source's cut at the size an image-size curriculum told the loader for this
+        # epoch (the workers are started per epoch, so they get it with the layout).
+        self.geometry = loader.epoch_geometry()
         # (name, reason) of the unreadable samples met since the last batch: they travel
         # with the next batch to the loader's log in the main process, which names each
         # once and stops at its cap for the whole run (a worker's own log would start
@@ -155,6 +159,8 @@ class _EpochStream(IterableDataset):
         w = info.id if info is not None else 0
         if hasattr(self.source, "set_epoch"):  # a source whose random crops are per (sample, epoch)
             self.source.set_epoch(self.epoch)
+        if self.geometry is not None:
+            self.source.geometry = self.geometry
         total = sum(self.source.shard_sizes)
         r0, r1 = _rank_range(total, self.rank, self.world_size)
         batches = batches_for(r1 - r0, self.batch_size, self.drop_last, total, self.world_size)
@@ -173,10 +179,10 @@ class _EpochStream(IterableDataset):
             images.append(image)
             labels.append(label)
             if len(images) == self.batch_size:
-                yield torch.stack(images), torch.tensor(labels, dtype=torch.int64), self._take_skipped()
+                yield stack_images(images), torch.tensor(labels, dtype=torch.int64), self._take_skipped()
                 images, labels = [], []
         if images:
-            yield torch.stack(images), torch.tensor(labels, dtype=torch.int64), self._take_skipped()
+            yield stack_images(images), torch.tensor(labels, dtype=torch.int64), self._take_skipped()
         elif self.skipped:  # met after the last batch: no batch, only their names
             yield None, None, self._take_skipped()
 
@@ -236,6 +242,10 @@ class StreamLoader:
         # an evaluation leaves it out (a stand-in would be counted twice).
         self.replace_unreadable = replace_unreadable
         self.skips = SkipLog("shard" if replace_unreadable else None)  # the whole run's, in this process
+        # The source's own cut, and the side an image-size curriculum told for the epoch
+        # (set_output_size; 0: the cut's own size).
+        self.geometry = getattr(source, "geometry", None)
+        self.output_size = 0
 
     # Its batches are split among its workers (see the module's docstring): a resume
     # with another data.num_workers does not continue the order the run had.
@@ -259,6 +269,22 @@ class StreamLoader:
     def __len__(self) -> int:
         return self.batches_per_epoch - self.start_batch
 
+    def set_output_size(self, size: int | Sequence[int] | None) -> bool:
+        """Cut this epoch's images (from the next ``iter``) to ``size`` px (None or 0: the
+        cut's own; one per batch: the largest, since the workers start with one size);
+        False where the source's images are not cut by a geometry."""
+        if self.geometry is None:
+            return False
+        sizes = [size] if size is None or isinstance(size, int) else list(size)
+        self.output_size = 0 if not sizes or 0 in sizes or None in sizes else int(max(sizes))
+        return True
+
+    def epoch_geometry(self) -> Any:
+        """The geometry of the epoch: the source's own, at the size told, if any."""
+        if self.geometry is None:
+            return None
+        return self.geometry.at(self.output_size) if self.output_size else self.geometry
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         loader = DataLoader(
             _EpochStream(self.source, self),
@@ -267,7 +293,7 @@ class StreamLoader:
             pin_memory=self.pin_memory,
         )
         self.start_batch = 0  # the stream above keeps it: a resume applies to one epoch only
-        return self._logged(_one_line_errors(iter(loader)))
+        return device_batches(self._logged(_one_line_errors(iter(loader))))
 
     def _logged(self, batches: Iterator[Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches, the unreadable samples that came with each named in this

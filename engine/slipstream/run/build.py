@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from slipstream.config.options import check_output_dir
 from slipstream.config.schema import RunSpec, to_dict
 from slipstream.data.geometry import geometries
+from slipstream.data.gpu_decode import choose_decode
 from slipstream.data.sources import DATASETS_GROUP, DataRequest, build_dataset_plugin
 from slipstream.distributed import from_rank0
 from slipstream.errors import ConfigError, DataError
@@ -64,6 +65,8 @@ def build_trainer(
     # what config.yaml (and a plugin reading state.config) records as having run.
     train_geometry, eval_geometry = geometries(cfg.data, type(dataset).photos, seed=cfg.trainer.seed)
     data = _build_data(dataset, cfg, process, train_geometry, eval_geometry)
+    # data.decode=auto is measured on this data, outside the run's clock (docs/auto.md).
+    decode = choose_decode(d.get("decode"), (data.train, data.eval), process.device, verbose=verbose)
     if data.stats is not None and d.normalize:
         options.normalize = data.stats
     model, optimizer, loss_fn = _build_model(cfg, data.num_classes, process.device)
@@ -76,7 +79,7 @@ def build_trainer(
         crop_pct=eval_geometry.crop_pct,
     )
     algorithms, callbacks = plugins
-    return Trainer(
+    trainer = Trainer(
         model=model,
         optimizer=optimizer,
         loss_fn=loss_fn,
@@ -89,6 +92,9 @@ def build_trainer(
         options=options,
         process=process,
     )
+    if decode is not None:
+        trainer.state.summary["decode"] = decode
+    return trainer
 
 
 def _build_data(dataset: Any, cfg: DictConfig, process: Any, train_geometry: Any, eval_geometry: Any) -> Any:
