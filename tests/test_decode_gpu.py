@@ -23,6 +23,8 @@ from slipstream.data.gpu_decode import DecodeSwitch, Encoded, EncodedBatch, deco
 from slipstream.errors import ConfigError
 from test_geometry import _jpeg, photo
 
+# torchvision.io's decoders are deprecated for TorchCodec (0.29); they are what nvJPEG is reached by.
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding:DeprecationWarning")
 ON = DecodeSwitch("gpu", True)
 JPEG = _jpeg(photo(7, (240, 180)), 90)
 
@@ -208,3 +210,29 @@ def test_shards_decode_on_the_device_and_take_a_told_size(tmp_path, monkeypatch)
     set_output_size(cpu, None)
     cpu.set_epoch(1)
     assert torch.equal(torch.cat([images for images, _ in cpu]), a)
+
+
+def test_a_jpeg_the_batched_decode_fails_on_is_decoded_alone_or_by_pillow(monkeypatch, capsys):
+    import torchvision.io
+
+    from slipstream.errors import DataError
+
+    monkeypatch.setattr(gpu_decode, "_said", set())
+    geometry = Geometry(16, crop="center", reduced_decoding=False, switch=ON)
+    good = decode_batch(EncodedBatch([geometry.load(JPEG), geometry.load(JPEG)]), "cpu")
+    real = torchvision.io.decode_jpeg
+
+    def failing(data, **kwargs):  # nvJPEG failing on the batch, and on one image alone
+        if isinstance(data, list) or data.numel() % 2:
+            raise RuntimeError("nvjpeg: unsupported")
+        return real(data, **kwargs)
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", failing)
+    odd = geometry.load(JPEG + b"\0" if len(JPEG) % 2 == 0 else JPEG)  # a trailing byte: still the same JPEG
+    even = geometry.load(JPEG + b"\0" if len(JPEG) % 2 else JPEG)
+    out = decode_batch(EncodedBatch([odd, even]), "cpu")
+    assert (out.float() - good.float()).abs().mean() < 0.5  # Pillow's cut of the odd one, the lone decode of the other
+    assert capsys.readouterr().err.count("decoded by Pillow on the CPU") == 1
+    broken = odd._replace(data=odd.data[: len(odd.data) // 3])
+    with pytest.raises(DataError, match="a JPEG of this batch cannot be decoded"):
+        decode_batch(EncodedBatch([broken]), "cpu")

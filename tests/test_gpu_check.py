@@ -58,6 +58,8 @@ def test_the_dry_run_installs_offline_trains_the_pair_and_reports(dry_run):
     assert "time-to-accuracy pair" in text and "baseline" in text and "fast" in text
     # The network in a hand-written loop and through the Trainer: the pair's MFU reference.
     assert report["plain_loop"][0].startswith("hand-written loop") and "through slipstream.Trainer" in text
+    # data.decode=gpu against cpu (in the dry run the "gpu" side decodes on the CPU).
+    assert report["decode"][-1].startswith("data.decode gpu/cpu images/s:") and "JPEG decoding" in text
     assert len(list(out.iterdir())) <= 8  # what comes back from the device machine's $OUT
 
 

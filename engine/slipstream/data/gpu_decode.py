@@ -149,11 +149,14 @@ def decode_batch(batch: EncodedBatch, device: torch.device | str) -> torch.Tenso
 
     device = torch.device(device)
     jpegs = [(i, item) for i, item in enumerate(batch.items) if isinstance(item, Encoded)]
-    decoded = decode_jpeg([item.data for _, item in jpegs], mode=ImageReadMode.RGB, device=device) if jpegs else []
     size = jpegs[0][1].size if jpegs else batch.items[0].shape[-1]
     out = torch.empty((len(batch), 3, size, size), dtype=torch.uint8, device=device)
-    for (i, item), image in zip(jpegs, decoded, strict=True):
-        out[i] = cut(image, item)
+    try:
+        decoded = decode_jpeg([item.data for _, item in jpegs], mode=ImageReadMode.RGB, device=device) if jpegs else []
+    except RuntimeError:  # one JPEG nvJPEG cannot read fails the whole call: each alone, then Pillow
+        decoded = None
+    for k, (i, item) in enumerate(jpegs):
+        out[i] = cut(decoded[k], item) if decoded is not None else _decode_alone(item, device)
     if len(jpegs) < len(batch):
         _say_once(
             "fallback",
@@ -165,6 +168,37 @@ def decode_batch(batch: EncodedBatch, device: torch.device | str) -> torch.Tenso
             if not isinstance(item, Encoded):
                 out[i] = item.to(device, non_blocking=True)
     return out
+
+
+def _decode_alone(item: Encoded, device: torch.device) -> torch.Tensor:
+    """A JPEG of a batch nvJPEG failed on, cut: decoded alone on ``device``, else by Pillow
+    on the CPU; a DataError where neither can read it."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    try:
+        return cut(decode_jpeg(item.data, mode=ImageReadMode.RGB, device=device), item)
+    except RuntimeError:
+        pass
+    _say_once("alone", "slipstream: data.decode=gpu: nvJPEG could not read a JPEG; it and any other such are "
+                       "decoded by Pillow on the CPU in the main process (said once)")  # fmt: skip
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from slipstream.data.decode import _reason
+    from slipstream.data.geometry import _rgb
+    from slipstream.errors import DataError
+
+    try:
+        with Image.open(io.BytesIO(item.data.numpy().tobytes())) as image:
+            array = np.array(_rgb(image))
+    except (OSError, SyntaxError, ValueError) as err:
+        raise DataError(
+            f"data.decode=gpu: a JPEG of this batch cannot be decoded ({_reason(err)}); data.decode=cpu names "
+            "unreadable images and trains on without them"
+        ) from None
+    return cut(torch.from_numpy(array).permute(2, 0, 1), item).to(device)
 
 
 def _say_once(what: str, line: str) -> None:
