@@ -18,6 +18,7 @@ FIVE = ("mixed_precision", "channels_last", "stepwise_lr", "image_size_curriculu
 ADD = ["examples/step_timer/slipstream_step_timer.py:StepTimer"]
 SETTINGS = {
     "grad_accumulation": {"steps": 2},  # a group ends at the mid-run checkpoint (batch 5, the 2nd of epoch 1)
+    "ghost_batchnorm": {"ghost_batch_size": 2},  # the matrix's batches of 4: 2 ghost batches (32 would be plain BN)
     "grad_clipping": {"max_norm": 0.5},  # it has no default
     # Grows within 4 batches; starts at 48 px on the CNN (see slipstream.cli.compatibility.CNN_IMAGE_SIZE).
     "image_size_curriculum": {"delay": 0.25, "finetune": 0.25, "initial_scale": 0.75},
@@ -87,6 +88,15 @@ def _clipped(seen: Observed) -> str | None:
     return None if seen.grad_norms and max(seen.grad_norms) <= limit * 1.001 else f"norms {seen.grad_norms}"
 
 
+def _synced(seen: Observed) -> str | None:
+    """sync_batchnorm: SyncBatchNorm layers under DDP; in one process none, and the summary says "not distributed"."""
+    said = seen.summary.get("sync_batchnorm") or {}
+    layers = sum(isinstance(m, torch.nn.SyncBatchNorm) for m in seen.model.modules()) if seen.model else 0
+    if said.get("synchronised"):
+        return None if layers == said.get("layers") > 0 else f"{layers} SyncBatchNorm layers, summary {said}"
+    return None if not layers and str(said.get("reason")).startswith("not distributed") else f"summary {said}"
+
+
 PROBES = {
     "activation_checkpointing": lambda s: None if s.summary.get("activation_checkpointing") else "nothing wrapped",
     "channels_last": lambda s: _all(s.inputs_channels_last, "inputs are not channels-last"),
@@ -97,6 +107,7 @@ PROBES = {
     "gpu_augmentation": lambda s: None if any(s.inputs_changed) or _reshaped(s) else "no batch changed",
     # Groups of 2 restart with each epoch of 3 batches: 2 steps an epoch.
     "grad_accumulation": lambda s: None if s.optimizer_steps * 3 == s.batches * 2 else f"{s.optimizer_steps} steps",
+    "ghost_batchnorm": lambda s: None if s.summary.get("ghost_batchnorm", {}).get("chunks") == 2 else "not 2 chunks",
     "grad_clipping": _clipped,
     "image_size_curriculum": _grows,
     "label_smoothing": _smoothed,
@@ -106,6 +117,7 @@ PROBES = {
     "mixup": _changed,
     "sam": lambda s: None if s.summary.get("sam_steps") else "no SAM step",
     "stochastic_depth": lambda s: None if s.summary.get("stochastic_depth", {}).get("blocks") else "no block dropped",
+    "sync_batchnorm": _synced,
     "stepwise_lr": lambda s: None if len(set(s.lrs)) > 1 else f"LR constant {set(s.lrs)}",
     "swa": lambda s: None if s.summary.get("swa_models") else "no average taken",
     "torch_compile": lambda s: None if s.summary.get("compile_time_s") else "not compiled",
