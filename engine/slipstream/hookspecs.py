@@ -369,8 +369,9 @@ def eval_batch_end(state: State) -> None:
 
 @hookspec
 def eval_end(state: State) -> None:
-    """Evaluation is done: ``state.eval_metrics`` holds ``loss`` and ``accuracy``
-    (and ``accuracy_top5`` when the model has at least 5 classes).
+    """Evaluation is done: ``state.eval_metrics`` holds the run's metrics
+    (``evaluation.metrics``; by default ``loss``, ``accuracy`` and, when the model has
+    at least 5 classes, ``accuracy_top5``), reduced across ranks.
     The model is still in eval mode (restore swapped weights here)."""
 
 

@@ -101,8 +101,8 @@ class State:
     algorithms: list[Any] = field(default_factory=list)
     # The callbacks of this run, in the order given.
     callbacks: list[Any] = field(default_factory=list)
-    # Results of the last evaluation: {"loss": float, "accuracy": float}, and
-    # "accuracy_top5" when the model has at least 5 classes.
+    # Results of the last evaluation, by metric (evaluation.metrics; by default "loss",
+    # "accuracy", and "accuracy_top5" when the model has at least 5 classes).
     eval_metrics: dict[str, float] = field(default_factory=dict)
     # Extra scalars for the next train record of metrics.jsonl (tensors allowed:
     # they are read only at the logging interval, so no per-step device sync).

@@ -36,6 +36,7 @@ from slipstream.plugins.algorithm import Algorithm
 from slipstream.plugins.callback import Callback
 from slipstream.plugins.discovery import PluginInfo, config_as_dict
 from slipstream.plugins.dispatch import bind, bind_event, blame
+from slipstream.plugins.metric import run_metrics
 from slipstream.plugins.registry import Registry
 from slipstream.plugins.variants import choose_run_variants
 from slipstream.run.assembly import assemble, check_hooks
@@ -61,6 +62,10 @@ class Trainer:
     with their default config; one string is read as ``"a,b"`` is on the command
     line); ``callbacks`` the same for :class:`Callback`
     (loggers, profiler, early stopping), called in the order given.
+    ``metrics`` are what each evaluation measures (docs/metrics.md): installed names
+    (``slipstream metrics``), import paths ``"package.module:Class"``, one-key dicts of
+    either to keyword arguments, or metric objects (a torchmetrics ``Metric``); None:
+    loss, accuracy and, with 5 classes or more, accuracy_top5.
     ``train_data``/``eval_data`` are any iterables of ``(inputs, targets)`` batches,
     usually DataLoaders; a DataLoader whose sampler has ``set_epoch(epoch,
     start_batch)`` (as Slipstream's own) gives an order that depends on the seed and
@@ -106,6 +111,7 @@ class Trainer:
         run_dir: str | Path | None = None,
         *,
         callbacks: Sequence[Callback | str] = (),
+        metrics: Sequence[Any] | None = None,
         loss_fn: Callable[..., torch.Tensor] | None = None,
         schedulers: Sequence[Any] = (),
         config: dict[str, Any] | None = None,
@@ -131,7 +137,13 @@ class Trainer:
         normalize, note = resolve_normalize(o.normalize, train_data)
         if note and self.verbose:
             print(f"slipstream: {note}", file=sys.stderr)
-        self.config = config or self._describe_run(model, optimizer)
+        loss_fn = loss_fn or nn.CrossEntropyLoss()
+        self.metrics = run_metrics(
+            metrics, loss_fn=loss_fn, num_classes=_classes(model, config), device=self.device,
+            evaluates=o.eval_interval is not None and eval_data is not None, best_metric=o.best_metric,
+            target_accuracy=o.target_accuracy, prefix="trainer." if config is not None else "",
+        )  # fmt: skip
+        self.config = config or self._describe_run(model, optimizer, metrics)
         self.start = find_start(o, self.config, self.device, verbose=self.verbose)
         self.load_path, self.weights_only = self.start.path, self.start.weights_only
         self.overwrite = o.overwrite or self.start.clear
@@ -154,7 +166,7 @@ class Trainer:
             train_loader=train_data,
             eval_loader=eval_data,
             device=self.device,
-            loss_fn=loss_fn or nn.CrossEntropyLoss(),
+            loss_fn=loss_fn,
             schedulers=list(schedulers),
             seed=o.seed,
             rank=rank,
@@ -179,6 +191,7 @@ class Trainer:
             normalize=normalize,
             peak=parse_peak_tflops(o.peak_tflops),
             verbose=self.verbose,
+            metrics=self.metrics,
         )
         s = self.services
         self.summary_writer, self.metrics_log, self.checkpointer = s.summary, s.metrics_log, s.checkpointer
@@ -188,12 +201,16 @@ class Trainer:
         self._to_device = batch_mover(self.device)
         self._share_clock: Callable[[State], None] | None = None  # set in fit() (shared_clock)
 
-    def _describe_run(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def _describe_run(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, metrics: Sequence[Any] | None
+    ) -> dict[str, Any]:
         """config.yaml for a run set up in Python: what the CLI's config would say,
         so that a checkpoint can tell what wrote it."""
         group = optimizer.param_groups[0] if optimizer.param_groups else {}
         return {
-            "model": {"name": type(unwrap_model(model)).__name__},
+            "model": _model_record(model),
+            # Names and import paths only: a metric object given in Python cannot be written.
+            "evaluation": {"metrics": list(metrics) if _named(metrics) else None},
             "optimizer": {"name": type(optimizer).__name__, "lr": float(group.get("lr", 0.0))},
             "trainer": self.options.as_config(),
             "algorithms": {a.name: config_as_dict(a) for a in self.algorithms},
@@ -452,6 +469,29 @@ class Trainer:
         records = self.registry.records([*self.algorithms, *self.callbacks])
         payload = checkpoint_payload(state, records, hook=self.pm.hook)
         return {**payload, "train_losses": self.services.losses.state_dict()}  # the metrics log's open window
+
+
+def _model_record(model: nn.Module) -> dict[str, Any]:
+    """How config.yaml (and so a checkpoint) names a model built in Python: a timm
+    model by its architecture, which `slipstream eval` and `export` can build again;
+    any other by its class (they then take --model package.module:build)."""
+    inner = unwrap_model(model)
+    architecture = (getattr(inner, "pretrained_cfg", None) or {}).get("architecture")
+    name = f"timm/{architecture}" if isinstance(architecture, str) else type(inner).__name__
+    return {"name": name, "num_classes": _classes(model, None)}
+
+
+def _named(metrics: Sequence[Any] | None) -> bool:
+    return metrics is not None and all(isinstance(m, (str, dict)) for m in metrics)
+
+
+def _classes(model: nn.Module, config: dict[str, Any] | None) -> int | None:
+    """The classes the model predicts where known before its first evaluation: the
+    config's, or a timm model's ``num_classes``; None: found at the first evaluation."""
+    classes = ((config or {}).get("model") or {}).get("num_classes")
+    if classes is None:
+        classes = getattr(unwrap_model(model), "num_classes", None)
+    return classes if isinstance(classes, int) and not isinstance(classes, bool) and classes > 1 else None
 
 
 def _options(

@@ -5,12 +5,13 @@ slipstream train [--recipe NAME_OR_PATH] [--algorithms a,b,no:c] [--callbacks a,
 slipstream algorithms [--json] [--check]
 slipstream callbacks [--json] [--check]
 slipstream datasets [--json] [--check]
+slipstream metrics [--json] [--check]
 slipstream data convert imagefolder DIR --to webdataset OUT [--shard-size 256MB]
 slipstream data index URLS [URLS ...] -o FILE [--overwrite]
 slipstream recipes [--json]
 slipstream sweep --recipe R --trials N [--sweep-dir D] [--metric accuracy] [--direction maximize]
                  key=loguniform(a,b) key=uniform(a,b) key=int(a,b) key=choice(x,y) [key=value ...]
-slipstream eval --checkpoint PATH [--recipe R] [--ema | --weights W] [-o metrics.json] [key=value ...]
+slipstream eval --checkpoint PATH [--recipe R] [--ema | --weights W] [--metrics a,b] [--model M] [-o F] [key=value ...]
 slipstream export --checkpoint PATH --format torchscript|onnx|exported-program -o FILE [--ema] [key=value ...]
 slipstream average RUN_DIR --last N | --best N -o FILE [--overwrite]
 slipstream plot RUN_DIR [RUN_DIR ...] [-o runs.png]
@@ -78,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_sweep(sub)
     _add_listing(sub, "callbacks", "callback")
     _add_listing(sub, "datasets", "dataset")
+    _add_listing(sub, "metrics", "metric")
     _add_data(sub)
     _add_eval(sub)
     _add_export(sub)
@@ -211,6 +213,13 @@ def _add_checkpoint_options(command: argparse.ArgumentParser) -> None:
     )
     command.add_argument("--ema", action="store_true", help="the EMA weights (same as --weights ema)")
     command.add_argument(
+        "--model",
+        default=None,
+        metavar="package.module:build",
+        help="the function that builds the model (called with num_classes), for a checkpoint of a Trainer "
+        "built in Python around a model of your own (same as model.name=...)",
+    )
+    command.add_argument(
         "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_size=500"
     )
 
@@ -224,6 +233,13 @@ def _add_eval(sub: Any) -> None:
         "as JSON and writes them to -o (default: eval.json beside the checkpoint's run).",
     )
     _add_checkpoint_options(evaluate)
+    evaluate.add_argument(
+        "--metrics",
+        default=None,
+        action=_Joined,
+        help="comma-separated metrics (slipstream metrics; or package.module:Class), instead of the run's "
+        "evaluation.metrics",
+    )
     evaluate.add_argument("--output", "-o", default=None, help="the metrics JSON file")
     evaluate.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
 
@@ -580,7 +596,7 @@ def _callbacks(args: argparse.Namespace) -> int:
     return print_plugin_listing(CALLBACKS_GROUP, "callbacks", check=args.check, as_json=args.json)
 
 
-def print_plugin_listing(group: str, kind: str, *, check: bool, as_json: bool) -> int:
+def print_plugin_listing(group: str, kind: str, *, check: bool, as_json: bool, infos: list[Any] | None = None) -> int:
     """Print the plugins of entry-point ``group`` (``kind`` names them: "algorithms").
 
     From the distributions' metadata, importing no plugin unless ``check``: the
@@ -588,7 +604,8 @@ def print_plugin_listing(group: str, kind: str, *, check: bool, as_json: bool) -
     """
     from slipstream.plugins.discovery import list_installed
 
-    infos = list_installed(group, check=check)
+    if infos is None:
+        infos = list_installed(group, check=check)
     # A check that found a plugin which cannot load fails, so a script or CI job sees it.
     broken = [i.name for i in infos if i.error]
     failed = 1 if check and broken else 0
@@ -650,6 +667,11 @@ def _weights(args: argparse.Namespace) -> str:
     return "ema" if args.ema else args.weights
 
 
+def _with_model(args: argparse.Namespace) -> list[str]:
+    """The overrides, with ``--model`` as ``model.name`` (after them: the flag says it)."""
+    return [*args.overrides, *([f"model.name={args.model}"] if args.model else [])]
+
+
 def _default_eval_output(checkpoint: Path) -> Path:
     """eval.json (eval-ema.json, ...) in the run directory of ``checkpoint``."""
     run = checkpoint if checkpoint.is_dir() else checkpoint.parent
@@ -687,7 +709,13 @@ def _eval(args: argparse.Namespace) -> int:
     if output is None:
         name = "eval.json" if weights == "model" else f"eval-{weights}.json"
         output = _default_eval_output(checkpoint) / name
-    metrics = evaluate_checkpoint(checkpoint, recipe=args.recipe, overrides=args.overrides, weights=weights)
+    metrics = evaluate_checkpoint(
+        checkpoint,
+        recipe=args.recipe,
+        overrides=_with_model(args),
+        weights=weights,
+        metrics=[m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None,
+    )
     from slipstream.run.directory import strict_json
 
     text = strict_json(metrics, indent=2)  # a NaN loss is null, named under "nonfinite": never a NaN token
@@ -718,7 +746,7 @@ def _export(args: argparse.Namespace) -> int:
         args.format,
         Path(args.output),
         recipe=args.recipe,
-        overrides=args.overrides,
+        overrides=_with_model(args),
         weights=_weights(args),
         check=not args.no_check,
     )
@@ -785,6 +813,14 @@ def _compare(args: argparse.Namespace) -> int:
     else:
         print(compare_runs(runs, args.target))
     return 0
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    from slipstream.plugins.metric import METRICS_GROUP, listed_metrics
+
+    return print_plugin_listing(
+        METRICS_GROUP, "metrics", check=args.check, as_json=args.json, infos=listed_metrics(check=args.check)
+    )
 
 
 def _datasets(args: argparse.Namespace) -> int:
@@ -869,6 +905,7 @@ def _compatibility(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "train": _train,
     "datasets": _datasets,
+    "metrics": _metrics,
     "data": _data,
     "algorithms": _algorithms,
     "callbacks": _callbacks,

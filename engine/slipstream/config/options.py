@@ -50,15 +50,19 @@ PEAK_NAMES = (*DTYPES, "tf32")
 # -- validators of trainer keys that the engine's services act on ---------------------
 
 
+# The default metrics best_metric may name, and whether higher is better; any other
+# evaluated metric may be named too (its plugin's higher_is_better says the direction).
 BEST_METRICS = {"accuracy": True, "accuracy_top5": True, "loss": False}
 
 
 def check_best_metric(value: str | None) -> str | None:
-    """``value`` if it is a valid ``trainer.best_metric`` (null: no best.pt), else a ConfigError."""
-    if value is not None and value not in BEST_METRICS:
+    """``value`` if it may be a ``trainer.best_metric`` (a metric's name, or null: no
+    best.pt), else a ConfigError; whether the run evaluates it is the metrics' check
+    (:func:`slipstream.plugins.metric.check_monitored`)."""
+    if value is not None and (not isinstance(value, str) or not value):
         raise ConfigError(
-            f"trainer.best_metric must be one of {', '.join(BEST_METRICS)} (of the eval records) "
-            f"or null for no best.pt, got {value!r}"
+            f"trainer.best_metric must name an evaluated metric ({', '.join(BEST_METRICS)}, or another of "
+            f"evaluation.metrics) or be null for no best.pt, got {value!r}"
         )
     return value
 
@@ -223,7 +227,7 @@ class TrainerOptions:
     overwrite: bool = setting(False, "clear the run files of a run_dir that already holds a run")
     on_nonfinite: str = setting("stop", "stop | warn: what a NaN or infinite training loss does")
     best_metric: str | None = setting(
-        "accuracy", "accuracy | accuracy_top5 | loss | null: what best.pt keeps"
+        "accuracy", "an evaluated metric (accuracy, loss, f1_macro, ...) | null: what best.pt keeps"
     )
     progress_bar: bool = setting(True, "the tqdm bar")
     threads: int | None = setting(None, "torch.set_num_threads; null: torch's default")

@@ -69,6 +69,15 @@ class LossConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. label_smoothing: 0.1
 
 
+@dataclass
+class EvaluationConfig:
+    # What each evaluation measures: installed metric names (`slipstream metrics`), import
+    # paths "package.module:Class", or a one-key mapping of either to its keyword
+    # arguments ({calibration_error: {n_bins: 10}}); null: loss, accuracy, accuracy_top5
+    # (the last with 5 classes or more). docs/metrics.md
+    metrics: Optional[list[Any]] = None
+
+
 # The trainer section follows TrainerOptions, the one definition of trainer settings.
 TrainerConfig = config_dataclass(TrainerOptions, "TrainerConfig")
 
@@ -80,6 +89,7 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     # name -> options; presence enables the algorithm.
     algorithms: dict[str, Any] = field(default_factory=dict)
     # name -> options; presence enables the callback (called in this order).
@@ -92,6 +102,7 @@ SECTIONS = {
     "optimizer": OptimizerConfig,
     "loss": LossConfig,
     "trainer": TrainerConfig,
+    "evaluation": EvaluationConfig,
 }
 # Sections that map plugin names to their options, and each one's entry-point group.
 PLUGIN_SECTIONS = {"algorithms": "slipstream.algorithms", "callbacks": "slipstream.callbacks"}
@@ -601,7 +612,25 @@ def validate(cfg: DictConfig) -> TrainerOptions:
     if cfg.optimizer.weight_decay < 0:
         raise ConfigError(f"optimizer.weight_decay must be 0 or more, got {cfg.optimizer.weight_decay}")
     check_data(cfg)
+    check_evaluation(cfg, options)
     return options
+
+
+def check_evaluation(cfg: DictConfig, options: TrainerOptions) -> None:
+    """``evaluation.metrics``: installed names or importable classes that apply to the
+    run's targets and class count, and holding what ``best_metric`` and
+    ``target_accuracy`` read (their values are checked again once built)."""
+    from slipstream.plugins.metric import check_applies, check_monitored, parse_metrics
+
+    metrics = cfg.evaluation.metrics
+    specs = parse_metrics(OmegaConf.to_container(metrics) if metrics is not None else None)
+    # Class indices (or class probabilities): every dataset's targets until one declares multi-hot ones.
+    check_applies(specs, "multiclass", known_num_classes(cfg))
+    if options.eval_interval is None:
+        return
+    check_monitored(options.best_metric, specs)
+    if options.target_accuracy is not None and not any(s.name == "accuracy" for s in specs):
+        raise ConfigError("trainer.target_accuracy is reached by eval accuracy, which evaluation.metrics leaves out")
 
 
 # More loader processes than this only thrash (and a typo of a few digits would

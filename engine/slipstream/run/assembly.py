@@ -20,6 +20,7 @@ from slipstream import hookspecs
 from slipstream.config.options import TrainerOptions
 from slipstream.plugins.discovery import check_callbacks_observe, check_hook_names, unmarked_hooks
 from slipstream.plugins.dispatch import PluginManager, check_step_implementations, plugin_manager
+from slipstream.plugins.metric import MetricSet, parse_metrics
 from slipstream.services import (
     Checkpointer,
     DefaultSteps,
@@ -32,6 +33,7 @@ from slipstream.services import (
     Utilization,
 )
 from slipstream.services.divergence import DivergenceMonitor
+from slipstream.services.evaluation import write_tables
 from slipstream.services.losses import TrainLosses
 from slipstream.state import State
 
@@ -67,10 +69,12 @@ def assemble(
     normalize: tuple[Sequence[float], Sequence[float]] | None,
     peak: dict[str, float] | None,
     verbose: bool,
+    metrics: MetricSet | None = None,
 ) -> tuple[PluginManager, Services]:
     """The run's plugin manager with every plugin registered and checked. ``write``:
     this process writes the run's files (global rank 0)."""
     pm = plugin_manager(hookspecs.PROJECT, hookspecs)
+    metrics = metrics if metrics is not None else MetricSet(parse_metrics(None))
     for callback in reversed(callbacks):
         pm.register(callback, name=callback.name)
     defaults = DefaultSteps(options.ddp)
@@ -113,6 +117,7 @@ def assemble(
         guard=before_checkpoint,
         best_metric=options.best_metric,
         keep_best=options.keep_best,
+        best_higher=metrics.higher_is_better(options.best_metric or ""),
     )
     pm.register(checkpointer, name=Checkpointer.name)
     pm.register(losses, name=TrainLosses.name)
@@ -128,7 +133,14 @@ def assemble(
     # Not a hook implementation: an explicit step after batch_start, last whatever
     # plugins do.
     normalizer = Normalize(*normalize) if normalize is not None else Normalize()
-    evaluator = Evaluator(pm.hook, options.eval_interval, normalizer.prepare, guard=divergence.before_evaluation)
+    evaluator = Evaluator(
+        pm.hook,
+        options.eval_interval,
+        normalizer.prepare,
+        guard=divergence.before_evaluation,
+        metrics=metrics,
+        write_tables=write_tables if write else None,
+    )
     pm.register(evaluator, name=Evaluator.name)
     for algo in reversed(algorithms):
         pm.register(algo, name=algo.name)

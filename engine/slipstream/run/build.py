@@ -87,6 +87,7 @@ def build_trainer(
         eval_data=data.eval,
         algorithms=algorithms,
         callbacks=callbacks,
+        metrics=resolved["evaluation"]["metrics"],
         config=resolved,
         installed=registry,
         options=options,

@@ -239,9 +239,17 @@ def checkpoint_payload(
         # The names behind the model's output indices, where the data has them: what
         # `eval` checks other data against and `export` writes beside the weights.
         "classes": dataset_classes(state.train_loader),
+        # One sample's shape as the model takes it (C, H, W): the example inputs an
+        # export of a checkpoint of a Trainer built in Python is traced with.
+        "input_shape": _input_shape(state.batch),
         "world_size": state.world_size,
         "versions": library_versions(),
     }
+
+
+def _input_shape(batch: Any) -> list[int] | None:
+    inputs = batch[0] if isinstance(batch, (tuple, list)) and batch else None
+    return list(inputs.shape[1:]) if isinstance(inputs, torch.Tensor) and inputs.dim() > 1 else None
 
 
 def dataset_classes(loader: Any) -> list[str] | None:
@@ -406,6 +414,7 @@ RESUME_MAY_CHANGE = (
     "data.persistent_workers",
     "data.eval_batch_size",
     "callbacks",
+    "evaluation",
 )
 
 

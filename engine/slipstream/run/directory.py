@@ -5,6 +5,8 @@
     RUN_DIR/config.yaml            the resolved config
     RUN_DIR/metrics.jsonl          one JSON record per logged step or evaluation
     RUN_DIR/summary.json           the run's outcome
+    RUN_DIR/eval/{metric}-ba{B}.json  a table metric's value at each evaluation
+                                   (confusion_matrix), at global batch B
     RUN_DIR/checkpoints/latest.pt  the newest checkpoint
     RUN_DIR/checkpoints/best.pt    the checkpoint with the best accuracy
     RUN_DIR/checkpoints/ep{E}-ba{B}.pt  interval checkpoints
@@ -49,8 +51,10 @@ SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest.pt"
 BEST = "best.pt"
+EVAL_TABLES = "eval"
 
 _INTERVAL_CHECKPOINT = re.compile(r"ep\d+-ba(\d+)\.pt")  # the step captured
+_EVAL_TABLE = re.compile(r"[A-Za-z0-9_.]+-ba\d+\.json")
 _SHARDS = re.compile(r"ep\d+-ba\d+\.dcp")
 # Shard folders of save_shards on their way in or out (a crash may leave one).
 _SHARDS_TEMPORARY = re.compile(r"\.ep\d+-ba\d+\.dcp\.(partial|old)")
@@ -103,6 +107,14 @@ class RunDir:
     def checkpoint(self, epoch: int, batch: int) -> Path:
         return self.checkpoints / checkpoint_name(epoch, batch)
 
+    @property
+    def eval_tables(self) -> Path:
+        return self.root / EVAL_TABLES
+
+    def eval_table(self, metric: str, batch: int) -> Path:
+        """The file of a table metric's value (a confusion matrix) at global ``batch``."""
+        return self.eval_tables / f"{metric}-ba{batch}.json"
+
     def shards(self, epoch: int, batch: int) -> Path:
         """The folder of torch.distributed.checkpoint shards of a sharded checkpoint."""
         return self.checkpoints / f"ep{epoch}-ba{batch}.dcp"
@@ -141,7 +153,9 @@ class RunDir:
         """Every file of the contract that exists here, temporary files included."""
         files = [p for p in (self.config, self.metrics, self.summary) if p.is_file()]
         files += self.checkpoint_files()
-        for folder in (self.root, self.checkpoints):
+        if self.eval_tables.is_dir():
+            files += [p for p in self.eval_tables.iterdir() if p.is_file() and _EVAL_TABLE.fullmatch(p.name)]
+        for folder in (self.root, self.checkpoints, self.eval_tables):
             if folder.is_dir():
                 files += [p for p in folder.iterdir() if _TEMPORARY.fullmatch(p.name)]
         return files
@@ -191,8 +205,9 @@ class RunDir:
         for folder in [*self.shard_folders(), *temporary]:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
-        if self.checkpoints.is_dir() and not any(self.checkpoints.iterdir()):
-            self.checkpoints.rmdir()
+        for folder in (self.checkpoints, self.eval_tables):
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
         if removed:
             fsync_dir(self.root)
         return removed

@@ -91,9 +91,13 @@ def rebuild(
     overrides: Sequence[str] = (),
     weights: str = "model",
     run_dir: str | Path | None = None,
+    metrics: Sequence[Any] | None = None,
+    purpose: str = "eval",
 ) -> Rebuilt:
     """The run that wrote ``checkpoint``, rebuilt on this machine with ``weights``
-    (``model`` or one that :func:`slipstream.run.checkpoint.weights_in` lists) loaded."""
+    (``model`` or one that :func:`slipstream.run.checkpoint.weights_in` lists) loaded,
+    evaluating ``metrics`` (None: the run's). A checkpoint of a Trainer built in Python
+    is rebuilt from what it records (:func:`python_run_config`)."""
     from slipstream.config.schema import build_config, to_dict
     from slipstream.plugins.discovery import algorithm_class, discover
     from slipstream.run.build import build_trainer
@@ -101,17 +105,15 @@ def rebuild(
     payload = load_checkpoint(checkpoint)
     saved = payload.get("config") or {}
     if not isinstance((saved.get("data") or {}).get("name"), str):
-        raise CheckpointError(
-            f"checkpoint {checkpoint} was written by a Trainer built in Python (its config "
-            "names no dataset): rebuild the model yourself and load it with "
-            "slipstream.run.checkpoint.load_weights"
-        )
+        saved = python_run_config(payload, checkpoint, recipe, overrides, purpose)
     select_weights(payload, weights, checkpoint)  # a missing kind fails before any work
     trainer_saved = dict(saved.get("trainer") or {})
     if str(trainer_saved.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
         # Trained on a GPU, looked at on a machine without one.
         saved = {**saved, "trainer": {**trainer_saved, "device": "auto"}}
     cfg = build_config(recipe, None, list(overrides), base=saved)
+    if metrics is not None:
+        cfg.evaluation.metrics = list(metrics)
     installed = discover(load=False)
     # The weights are chosen here, not by a plugin swapping its own in at evaluation.
     cfg.algorithms = {
@@ -150,6 +152,56 @@ def rebuild(
         )
     state.unwrapped_model.eval()
     return Rebuilt(trainer, payload, weights)
+
+
+def python_run_config(
+    payload: dict[str, Any], checkpoint: Any, recipe: Any, overrides: Sequence[str], purpose: str
+) -> dict[str, Any]:
+    """The config to rebuild a checkpoint of a Trainer built in Python from: the model
+    it names (a timm model's architecture, or ``model.name``/``--model``
+    package.module:build from the command line) and, for ``export``, example inputs of
+    the size it trained on; ``eval`` needs the data named (its config has none). A
+    missing part is a CheckpointError in one line saying what to give."""
+    saved = dict(payload.get("config") or {})
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    model = dict(saved.get("model") or {})
+    name = str(model.get("name") or "")
+    if "model.name" not in given and recipe is None and not _buildable(name):
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was written by a Trainer built in Python around a {name or 'model'} "
+            "that slipstream cannot build: give --model package.module:build (a function of num_classes "
+            "that returns the model)"
+        )
+    data: dict[str, Any] = {}
+    if purpose == "export" and "data.name" not in given and recipe is None:
+        # Example inputs only (the trace's and the check's): synthetic images of the size it trained on.
+        shape = payload.get("input_shape") or [3, 32, 32]
+        classes = model.get("num_classes") or _classes_in(payload) or 2
+        data = {"name": "synthetic", "image_size": int(shape[-1]), "num_classes": int(classes),
+                "train_size": 4, "val_size": 4, "batch_size": 2, "num_workers": 0}  # fmt: skip
+    elif "data.name" not in given and recipe is None:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was written by a Trainer built in Python, whose data it cannot name: "
+            "give the eval data, e.g. data.name=imagefolder data.root=DIR (or --recipe)"
+        )
+    if model.get("num_classes") is None:
+        model.pop("num_classes", None)
+    trainer = {k: v for k, v in (saved.get("trainer") or {}).items() if k in ("seed", "eval_interval")}
+    return {"model": model, "data": data, "trainer": trainer, "algorithms": saved.get("algorithms") or {},
+            "evaluation": saved.get("evaluation") or {}}  # fmt: skip
+
+
+def _buildable(name: str) -> bool:
+    """Whether ``model.name`` is one slipstream can build (not a bare class name)."""
+    return ":" in name or name.startswith(("timm/", "torchvision/"))
+
+
+def _classes_in(payload: dict[str, Any]) -> int | None:
+    """The class count of a checkpoint: its class names, or the rows of its last matrix."""
+    if payload.get("classes"):
+        return len(payload["classes"])
+    matrices = [v for v in (payload.get("model") or {}).values() if isinstance(v, torch.Tensor) and v.dim() == 2]
+    return int(matrices[-1].shape[0]) if matrices else None
 
 
 def _check_fit(model: nn.Module, saved: Any, checkpoint: Any, weights: str, overrides: Sequence[str]) -> None:
@@ -220,25 +272,32 @@ def evaluate_checkpoint(
     overrides: Sequence[str] = (),
     weights: str = "model",
     output: str | Path | None = None,
+    metrics: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``checkpoint`` on its run's eval data (or what ``recipe`` and
-    ``overrides`` give) and return the metrics (loss, accuracy, accuracy_top5 with 5
-    classes or more) with what was evaluated; also written to ``output`` as JSON."""
+    ``overrides`` give: another set, ``data.eval_image_size``, ``data.crop_pct``) and
+    return the metrics (``metrics``, or the run's ``evaluation.metrics``: by default
+    loss, accuracy, accuracy_top5 with 5 classes or more) with what was evaluated; a
+    table metric (confusion_matrix) is in it as a list of rows. Also written to
+    ``output`` as JSON."""
     with tempfile.TemporaryDirectory(prefix="slipstream-eval-") as scratch:
-        rebuilt = rebuild(checkpoint, recipe=recipe, overrides=overrides, weights=weights, run_dir=scratch)
+        rebuilt = rebuild(
+            checkpoint, recipe=recipe, overrides=overrides, weights=weights, run_dir=scratch, metrics=metrics
+        )
         state = rebuilt.trainer.state
         if state.eval_loader is None:
             raise ConfigError("slipstream eval: the config gives no eval data")
         check_classes(rebuilt.payload.get("classes"), dataset_classes(state.eval_loader), checkpoint)
         note_weights(rebuilt.payload, weights, checkpoint, "evaluating")
         try:
-            metrics = rebuilt.trainer.evaluator.evaluate(state)
+            values = rebuilt.trainer.evaluator.evaluate(state)
         finally:  # persistent workers left to the interpreter's exit delay it (data.loaders)
             stop_workers(state.train_loader, state.eval_loader)
-        metrics = dict(state.eval_metrics if not metrics else metrics)
+        values = dict(state.eval_metrics if not values else values)
     ts = rebuilt.payload.get("timestamp", {})
     result = {
-        **{k: float(v) for k, v in metrics.items()},
+        **{k: float(v) for k, v in values.items()},
+        **rebuilt.trainer.evaluator.tables,
         # Counted by the evaluation: a streamed dataset (WebDataset shards) has no len().
         "samples": rebuilt.trainer.evaluator.samples,
         "checkpoint": str(checkpoint),
@@ -529,6 +588,7 @@ def export_checkpoint(
             overrides=[*overrides, "trainer.device=cpu"],
             weights=weights,
             run_dir=scratch,
+            purpose="export",
         )
         note_weights(rebuilt.payload, weights, checkpoint, "exporting")
         model = rebuilt.model.float()

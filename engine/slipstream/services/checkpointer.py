@@ -2,9 +2,9 @@
 
 Files go to ``RUN_DIR/checkpoints/ep{E}-ba{B}.pt``; the newest is also
 ``latest.pt``. ``best.pt`` is written at each evaluation that improves the
-monitored metric (``best_metric``: eval ``accuracy`` or ``accuracy_top5``, higher is
-better, or eval ``loss``, lower is better) and records it under ``"best"`` (metric,
-value, step, epoch). A checkpoint written after an evaluation of its step holds that
+monitored metric (``best_metric``: any evaluated metric, better as its plugin's
+``higher_is_better`` says: eval ``accuracy`` higher, eval ``loss`` lower) and records
+it under ``"best"`` (metric, value, step, epoch). A checkpoint written after an evaluation of its step holds that
 evaluation's metrics under ``"eval"`` (step, epoch, loss, accuracy, ...). The last
 ``keep`` interval checkpoints are kept, and with ``keep_best`` also the ``keep_best``
 best by ``best_metric`` among those evaluated at their step (what
@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slipstream.config.options import BEST_METRICS
 from slipstream.duration import Duration
 from slipstream.errors import CheckpointError
 from slipstream.hookspecs import hookimpl
@@ -62,6 +61,7 @@ class Checkpointer:
         guard: Callable[[State], bool] | None = None,
         best_metric: str | None = "accuracy",
         keep_best: int = 0,
+        best_higher: bool = True,
     ) -> None:
         self.paths = RunDir(Path(run_dir))
         self.build_payload = build_payload
@@ -78,7 +78,8 @@ class Checkpointer:
         self._values: dict[int, float] = {}
         self._evaluated: dict[str, Any] | None = None
         self._last_saved_batch: int | None = None
-        self.best_metric = best_metric  # checked with the run's options
+        self.best_metric = best_metric  # checked with the run's metrics
+        self.best_higher = best_higher  # the metric's higher_is_better
         self.best: dict[str, Any] | None = None  # what best.pt holds: metric, value, step, epoch
 
     @hookimpl
@@ -164,16 +165,15 @@ class Checkpointer:
             return
         value = state.eval_metrics.get(self.best_metric)
         # Eval metrics are the same on every rank (all-reduced): all ranks agree here.
-        if value is None or not math.isfinite(value) or not math.isfinite(state.eval_metrics["loss"]):
+        if value is None or not math.isfinite(value) or not math.isfinite(state.eval_metrics.get("loss", 0.0)):
             return
         self._values[ts.batch] = value
         if self.keep_best and self.write:  # the checkpoint of this step may be saved already
             self._prune(ts.batch)
         if self.best is not None:
-            higher = BEST_METRICS[self.best_metric]
+            higher = self.best_higher
             if (value <= self.best["value"]) if higher else (value >= self.best["value"]):
                 return
-        ts = state.timestamp
         best = {"metric": self.best_metric, "value": value, "step": ts.batch, "epoch": state.epochs_done()}
         payload = self._payload(state, shards=False)
         if payload is None:
@@ -251,7 +251,7 @@ class Checkpointer:
             return
         kept = set(self._written[max(0, len(self._written) - self.keep) :])
         if self.keep_best:
-            higher = BEST_METRICS[self.best_metric] if self.best_metric else True
+            higher = self.best_higher
             scored = [p for p in self._written if self._steps.get(p) in self._values]
             # The best first; of equal values the later step.
             scored.sort(key=lambda p: (self._values[self._steps[p]] * (1 if higher else -1), self._steps[p]))

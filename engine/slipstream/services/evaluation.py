@@ -1,5 +1,6 @@
-"""Top-1 (and top-5, with at least 5 classes) evaluation at an interval and at the
-end of the run (none without an interval)."""
+"""Evaluation at an interval and at the end of the run (none without an interval):
+the run's metric plugins (by default loss, top-1 and, with at least 5 classes, top-5
+accuracy) over the eval data, reduced across ranks."""
 
 from __future__ import annotations
 
@@ -9,18 +10,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
 
 from slipstream.duration import Duration
 from slipstream.errors import ConfigError
 from slipstream.hookspecs import hookimpl
 from slipstream.interval import RunInterval
+from slipstream.plugins.metric import MetricSet, parse_metrics
+from slipstream.run.directory import RunDir, atomic_write_text, strict_json
 from slipstream.services.batches import check_pair, to_device
+from slipstream.services.eval_metrics import logits_of
 from slipstream.services.steps import not_logits
 from slipstream.state import State
-
-TOP_K = 5  # accuracy_top5: whether the target is among the 5 highest logits
-
 
 # How to turn evaluation off, in the config and in Python.
 EVALUATION_OFF = "turn evaluation off (trainer.eval_interval: null; eval_interval=None in Python)"
@@ -35,9 +36,12 @@ class Evaluator:
         interval: Duration | str | None = "1ep",
         prepare: Callable[[State], None] | None = None,
         guard: Callable[[State], bool] | None = None,
+        metrics: MetricSet | None = None,
+        write_tables: Callable[[State, dict[str, Any]], None] | None = None,
     ) -> None:
         """``guard``: asked before each evaluation the interval schedules; False
-        (the run diverged) skips it."""
+        (the run diverged) skips it. ``metrics``: the run's (None: the defaults);
+        ``write_tables`` writes what the file metrics (confusion_matrix) computed."""
         self.hooks = hooks
         self.guard = guard or (lambda state: True)
         # The loop's explicit input step (normalisation), run after eval_batch_start.
@@ -45,6 +49,9 @@ class Evaluator:
         self.interval = RunInterval(interval)
         self._last_eval_batch: int | None = None
         self._samples = 0  # seen by the last evaluation
+        self.metrics = metrics if metrics is not None else MetricSet(parse_metrics(None))
+        self.write_tables = write_tables
+        self.tables: dict[str, Any] = {}  # the file metrics' last values (a confusion matrix)
 
     @hookimpl
     def fit_start(self, state: State) -> None:
@@ -78,7 +85,7 @@ class Evaluator:
 
     @property
     def samples(self) -> int:
-        """The samples the last evaluation saw (on this process)."""
+        """The samples the last evaluation saw (on every process together)."""
         return self._samples
 
     def _nothing_to_evaluate(self, state: State) -> str:
@@ -106,77 +113,103 @@ class Evaluator:
         state.training = False
         try:  # the training state comes back however the evaluation ends
             hooks.eval_start(state=state)
-            # loss sum, top-1 hits, samples, top-5 hits (counted only with >= 5 classes)
-            totals = torch.zeros(4, dtype=torch.float64, device=state.device)
-            classes = 0
             with torch.no_grad():
-                for batch in state.eval_loader:
-                    state.batch = to_device(batch, state.device)
-                    check_pair(state.batch, "evaluation")
-                    hooks.eval_batch_start(state=state)
-                    self.prepare(state)
-                    state.outputs = hooks.forward(state=state)
-                    logits = (
-                        state.outputs[0] if isinstance(state.outputs, (tuple, list)) else state.outputs
-                    )
-                    if not isinstance(logits, torch.Tensor):
-                        fix = "return the logits from forward in eval mode (or a tuple whose first item they are)"
-                        raise ConfigError(not_logits(state.outputs, "the evaluation", fix))
-                    targets = state.batch[1]
-                    totals[0] += eval_loss(state.loss_fn, state.outputs, logits, targets)
-                    targets = class_indices(targets, logits)
-                    totals[1] += (logits.argmax(dim=1) == targets).sum()
-                    totals[2] += targets.numel()
-                    classes = logits.shape[1]
-                    if classes >= TOP_K:
-                        top = logits.topk(TOP_K, dim=1).indices
-                        totals[3] += (top == targets.unsqueeze(1)).any(dim=1).sum()
-                    hooks.eval_batch_end(state=state)
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(totals)
-            loss_sum, correct, count, correct_top5 = totals.tolist()
+                self._evaluate_batches(state)
+            reduce = _all_reduce if dist.is_available() and dist.is_initialized() else None
+            count = self.metrics.reduce(reduce)
             if not count:  # metrics of nothing would read as a loss of 0 and an accuracy of 0
                 raise ConfigError(self._nothing_to_evaluate(state))
-            self._samples = int(count)
-            state.eval_metrics = {"loss": loss_sum / count, "accuracy": correct / count}
-            if classes >= TOP_K:
-                state.eval_metrics["accuracy_top5"] = correct_top5 / count
+            self._samples = count
+            state.eval_metrics, self.tables = self.metrics.compute()
+            if self.tables and self.write_tables is not None:
+                self.write_tables(state, self.tables)
             hooks.eval_end(state=state)
         finally:
             _restore_modes(model, modes)
             state.training = True
             state.batch, state.outputs, state.loss = saved
         self._last_eval_batch = state.timestamp.batch
-        best = max(state.summary.get("best_accuracy") or 0.0, state.eval_metrics["accuracy"])
-        state.summary["best_accuracy"] = best
-        if "accuracy_top5" in state.eval_metrics:
-            top5 = state.eval_metrics["accuracy_top5"]
-            state.summary["accuracy_top5"] = top5
-            state.summary["best_accuracy_top5"] = max(state.summary.get("best_accuracy_top5") or 0.0, top5)
+        _keep_best(state.summary, state.eval_metrics)
         # Throughput in summary.json is training throughput: evaluation is set apart.
         state.summary["eval_time_s"] = (
             state.summary.get("eval_time_s", 0.0) + time.perf_counter() - started
         )
         return state.eval_metrics
 
+    def _evaluate_batches(self, state: State) -> None:
+        hooks, metrics = self.hooks, self.metrics
+        metrics.reset()
+        # Samples of this rank that are not a distributed sampler's padding (it repeats
+        # samples so that every rank gets as many): None, all of them.
+        left = real_samples(state.eval_loader)
+        for batch in state.eval_loader:
+            state.batch = to_device(batch, state.device)
+            check_pair(state.batch, "evaluation")
+            hooks.eval_batch_start(state=state)
+            self.prepare(state)
+            state.outputs = hooks.forward(state=state)
+            outputs, targets = state.outputs, state.batch[1]
+            logits = logits_of(outputs)
+            if not isinstance(logits, torch.Tensor):
+                fix = "return the logits from forward in eval mode (or a tuple whose first item they are)"
+                raise ConfigError(not_logits(outputs, "the evaluation", fix))
+            if metrics.num_classes != logits.shape[1]:  # the first evaluation, or a new head
+                metrics.loss_fn = state.loss_fn
+                metrics.build(logits.shape[1], state.device)
+            if left is not None:
+                keep, left = max(0, min(left, len(logits))), left - len(logits)
+                if keep < len(logits):
+                    outputs, logits, targets = _first(outputs, keep), logits[:keep], targets[:keep]
+            if len(logits):
+                metrics.update(outputs, logits, targets, class_indices(targets, logits))
+            hooks.eval_batch_end(state=state)
 
-def eval_loss(loss_fn: Any, outputs: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The summed loss of one evaluation batch. With the default ``CrossEntropyLoss``
-    (any options) it is plain cross-entropy of the ``logits``, as timm and Composer report
-    it: label smoothing is a training device, not what the model's predictions are worth.
-    So is it for a loss that says ``evaluated_as_cross_entropy`` (``loss.name=bce``: timm
-    validates a BCE-trained model with cross-entropy). A loss function of the user's own
-    is evaluated as it trains, on what the model returned (its value taken as the
-    batch's mean), so that ``best_metric=loss`` and ``early_stopping`` rank by it."""
-    if isinstance(loss_fn, torch.nn.CrossEntropyLoss) or getattr(loss_fn, "evaluated_as_cross_entropy", False):
-        return F.cross_entropy(logits.float(), targets, reduction="sum")
-    value = loss_fn(outputs, targets)
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        raise ConfigError(
-            f"the evaluation computes loss_fn(logits, targets) and needs one number per batch, got "
-            f"{type(value).__name__}{'' if not isinstance(value, torch.Tensor) else f' of shape {tuple(value.shape)}'}"
-        )
-    return value.detach().double().reshape(()) * len(logits)
+
+def write_tables(state: State, tables: dict[str, Any]) -> None:
+    """Each table metric's value (a confusion matrix) as a file of the run directory,
+    one per evaluation: ``eval/<metric>-ba<step>.json``."""
+    paths = RunDir(state.run_dir)
+    ts = state.timestamp
+    for name, table in tables.items():
+        record = {"metric": name, "step": ts.batch, "epoch": state.epochs_done(), "value": table}
+        atomic_write_text(paths.eval_table(name, ts.batch), strict_json(record) + "\n")
+
+
+def _all_reduce(tensor: torch.Tensor) -> None:
+    dist.all_reduce(tensor)
+
+
+def _keep_best(summary: dict[str, Any], metrics: dict[str, float]) -> None:
+    """The best accuracies so far in the summary (the final ones are the eval record's)."""
+    for key in ("accuracy", "accuracy_top5"):
+        if key in metrics:
+            summary[f"best_{key}"] = max(summary.get(f"best_{key}") or 0.0, metrics[key])
+    if "accuracy_top5" in metrics:
+        summary["accuracy_top5"] = metrics["accuracy_top5"]
+
+
+def real_samples(loader: Any) -> int | None:
+    """How many of the samples ``loader`` yields on this rank are real: torch's
+    ``DistributedSampler`` (without drop_last) pads the dataset to a multiple of the
+    world size with repeated samples, each the last one of its rank; counted, they would
+    weigh twice. None: no padding (Slipstream's own sampler splits without any)."""
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or sampler.num_replicas < 2:
+        return None
+    try:
+        total = len(sampler.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return len(range(sampler.rank, total, sampler.num_replicas))
+
+
+def _first(outputs: Any, keep: int) -> Any:
+    """What the model returned, cut to its first ``keep`` samples."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs[:keep]
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(_first(item, keep) for item in outputs)
+    return outputs
 
 
 def class_indices(targets: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -167,8 +167,8 @@ def resume_summary(state: State, metrics: Path, target: TargetAccuracy | None = 
     evals = [r for r in _records(metrics) if r.get("kind") == "eval" and _num(r.get("step")) is not None]
     evals = [r for r in evals if r["step"] <= step]
     if evals and evals[-1]["step"] == step:
-        keys = ("loss", "accuracy", "accuracy_top5")
-        state.eval_metrics = {key: evals[-1][key] for key in keys if _num(evals[-1].get(key)) is not None}
+        last = {k: v for k, v in evals[-1].items() if k not in RECORD_KEYS}
+        state.eval_metrics = {k: float(v) for k, v in last.items() if _num(v) is not None}
     for key, best_key in (("accuracy", "best_accuracy"), ("accuracy_top5", "best_accuracy_top5")):
         values = [v for r in evals if (v := _num(r.get(key))) is not None]
         if values:
@@ -179,6 +179,10 @@ def resume_summary(state: State, metrics: Path, target: TargetAccuracy | None = 
             if accuracy is not None and elapsed is not None and accuracy >= target.target:
                 target.reached_s = elapsed
                 break
+
+
+# The keys of an eval record that are not metrics (services/metrics.py writes them).
+RECORD_KEYS = ("kind", "step", "epoch", "elapsed_s", "nonfinite")
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
