@@ -66,7 +66,7 @@ def assert_clean_error(result, *fragments):
 def test_help_lists_the_commands():
     result = slipstream("--help")
     assert result.returncode == 0
-    for command in ("train", "algorithms", "callbacks", "recipes", "plot", "compare", "compatibility"):
+    for command in ("train", "algorithms", "callbacks", "recipes", "average", "plot", "compare", "compatibility"):
         assert command in result.stdout
 
 

@@ -325,7 +325,7 @@ def average_checkpoints(
         "count": len(sources),
         "metric": metric,
         "weights": kinds,
-        "sources": [{**asdict(s), "path": str(s.path)} for s in sources],
+        "sources": [{**asdict(s), "path": str(s.path.resolve())} for s in sources],
     }
     return out
 
