@@ -187,12 +187,11 @@ def _decode_alone(item: Encoded, device: torch.device) -> torch.Tensor:
     from PIL import Image
 
     from slipstream.data.decode import _reason
-    from slipstream.data.geometry import _rgb
     from slipstream.errors import DataError
 
     try:
         with Image.open(io.BytesIO(item.data.numpy().tobytes())) as image:
-            array = np.array(_rgb(image))
+            array = np.array(image.convert("RGB"))  # an Encoded is an RGB JPEG's: 8-bit already
     except (OSError, SyntaxError, ValueError) as err:
         raise DataError(
             f"data.decode=gpu: a JPEG of this batch cannot be decoded ({_reason(err)}); data.decode=cpu names "
