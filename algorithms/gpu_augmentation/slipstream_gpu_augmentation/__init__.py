@@ -407,6 +407,9 @@ class GpuAugmentation(Algorithm):
     config_class = GpuAugmentationConfig
     # Augment the already-resized (smaller, cheaper) batch.
     runs_after = ("image_size_curriculum",)
+    # erasing replaces the batch at before_forward, where torch_compile marks the batch's
+    # size dynamic: the mark must go on the tensor the model receives.
+    runs_before = ("torch_compile",)
 
     def __init__(self, config: GpuAugmentationConfig | None = None) -> None:
         super().__init__(config)
