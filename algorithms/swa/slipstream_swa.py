@@ -175,6 +175,24 @@ class SWAConfig:
             raise ValueError(f"swa_start must come before swa_end, got {self.swa_start!r} and {self.swa_end!r}")
 
 
+def _distributed(state: State) -> bool:
+    return state.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+@torch.no_grad()
+def _all_mean(tensors: list[Tensor], world_size: int) -> None:
+    """Each tensor replaced by its mean over the processes: one all_reduce per dtype."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for group in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in group])
+        dist.all_reduce(flat)
+        flat.div_(world_size)
+        torch._foreach_copy_(group, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in group]), group,
+                                                                        strict=True)])
+
+
 def _fraction(state: State, text: str) -> float | None:
     try:
         return state.fraction_of_run(text)
@@ -315,6 +333,11 @@ class SWA(Algorithm):
     def _update(self, state: State) -> None:
         swa_update(self._mine(), self._live(state), self.n_averaged)
         self.n_averaged += 1
+        # Under DDP each rank's batch-norm statistics are its own batches' (DDP only
+        # broadcasts rank 0's before each forward); the checkpoint keeps rank 0's average,
+        # so every rank must hold the same one for a resume to be exact: their mean.
+        if _distributed(state):
+            _all_mean([b for b in self.swa_model.buffers() if b.is_floating_point()], state.world_size)
 
     # -- the LR --------------------------------------------------------------------------
 
@@ -358,6 +381,9 @@ class SWA(Algorithm):
         model.train()
         model(state.batch[0])
         self.bn_batches += 1
+        if _distributed(state):  # the statistics of every rank's batch, the same on each rank
+            _all_mean([t for layer in batch_norms(model) for t in (layer.running_mean, layer.running_var)],
+                      state.world_size)
 
     # -- the end -------------------------------------------------------------------------
 
@@ -366,13 +392,6 @@ class SWA(Algorithm):
         if not self.n_averaged:
             state.summary["swa_models"] = 0
             return
-        model = self.swa_model
-        if state.world_size > 1 and dist.is_available() and dist.is_initialized():
-            # Each rank's statistics are of its own batches: their mean is the global one.
-            stats = [t for layer in batch_norms(model) for t in (layer.running_mean, layer.running_var)]
-            for t in stats:
-                dist.all_reduce(t)
-                t.div_(state.world_size)
         self._restore(state)
         with torch.no_grad():
             torch._foreach_copy_(self._live(state), self._mine())
