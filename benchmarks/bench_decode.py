@@ -56,6 +56,9 @@ def write_photos(root: Path, images: int, size: tuple[int, int], processes: int)
     per = -(-images // processes)
     jobs = [(root / "train", p * per, min(per, images - p * per), size) for p in range(processes) if p * per < images]
     jobs.append((root / "val", 10**9, 10, size))
+    if processes == 1:  # no pool: a process's start costs more than a toy set of pictures
+        list(map(_write, jobs))
+        return
     with ProcessPoolExecutor(processes) as pool:
         list(pool.map(_write, jobs))
 
@@ -104,7 +107,7 @@ def main() -> None:
     args = p.parse_args()
     if args.dry_run or args.quick:
         args.images, args.source, args.size, args.small, args.batch, args.repeats = 32, [64, 48], 32, 16, 8, 1
-        args.workers = min(args.workers, 1)
+        args.workers = 0  # in-process: the dry run checks the path, not the rates
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*TorchVision are deprecated.*")
     if args.what == "decode" and not torch.cuda.is_available() and not args.dry_run:
@@ -133,8 +136,9 @@ def main() -> None:
             assert set_output_size(told, args.small)
             sides = {"told": told, "resized": loader(root, args.size, args.batch, args.workers)}
             after = {"told": None, "resized": lambda images: resize_batch(images, args.small)}
-        for name, data in sides.items():  # warm: page cache, CUDA and nvJPEG
-            epoch_rate(data, 0, after[name])
+        for name, data in sides.items():  # warm: page cache, CUDA and nvJPEG (the dry run is cold)
+            if not args.dry_run:
+                epoch_rate(data, 0, after[name])
         rates: dict[str, list[float]] = {name: [] for name in sides}
         for r in range(args.repeats):
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
