@@ -24,6 +24,8 @@ _EXPORTS = {
     "read_rgb": "datasets",
     "build_loader": "loaders",
     "set_output_size": "loaders",
+    "stack_images": "gpu_decode",
+    "device_batches": "gpu_decode",
     "output_size_of": "loaders",
     "EpochSampler": "sampler",
     "SyntheticShapes": "synthetic",
