@@ -132,6 +132,11 @@ def test_auto_without_cuda_is_the_cpu_and_says_why(tmp_path, capsys):
     assert record["choice"] == "cpu" and record["method"].startswith("fallback (no CUDA device")
     assert "data.decode=cpu (fallback (no CUDA device" in capsys.readouterr().err
     assert gpu_decode.choose_decode("cpu", (built.train,), torch.device("cpu")) is None
+    from slipstream.data import build_datasets, build_loader
+
+    shapes = build_loader(build_datasets("synthetic", image_size=8, train_size=8, val_size=4)[0], batch_size=4)
+    record = gpu_decode.choose_decode("auto", (shapes,), torch.device("cuda"), verbose=False)  # nothing timed
+    assert record["choice"] == "cpu" and "not decoded from files" in record["method"]
 
 
 def test_auto_measures_both_ways_on_the_runs_data(tmp_path, monkeypatch):

@@ -318,7 +318,7 @@ def choose_decode(value: Any, loaders: Iterable[Any], device: torch.device, *, v
     record: dict[str, Any] = {"choice": "cpu"}
     if device.type != "cuda":
         record["method"] = f"fallback (no CUDA device: the run is on {device}, and nvJPEG decodes on CUDA only)"
-    elif not switches:
+    elif not switches or getattr(geometry_of(loaders[0]), "switch", None) is None:
         record["method"] = "fallback (this data's images are not decoded from files: nothing to decode on the GPU)"
     else:
         rates = measure_decode(loaders[0], device)
