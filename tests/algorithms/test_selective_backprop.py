@@ -117,13 +117,15 @@ def test_composer_sampling_favours_high_losses_and_is_seeded():
 
 
 def test_resume_mid_run_is_exact(tmp_path):
-    straight, _, _ = run(tmp_path / "straight", [sb(start=0.25)])
-    half, _, _ = run(tmp_path / "half", [sb(start=0.25)], stop_at=5, checkpoint_interval="5ba")
+    # 6 batches from 0.25: batches 2 and 4 selective; stopped after 4, so the resumed run has one.
+    straight, _, _ = run(tmp_path / "straight", [sb(start=0.25)], max_duration="6ba")
+    half, _, _ = run(tmp_path / "half", [sb(start=0.25)], max_duration="6ba", stop_at=4, checkpoint_interval="4ba")
     latest = half.run_dir / "checkpoints" / "latest.pt"
-    resumed, _, _ = run(tmp_path / "resumed", [sb(start=0.25)], load_path=latest)
+    resumed, _, _ = run(tmp_path / "resumed", [sb(start=0.25)], max_duration="6ba", load_path=latest)
     a, b = straight.state.unwrapped_model.state_dict(), resumed.state.unwrapped_model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert resumed.summary["selective_backprop"] == straight.summary["selective_backprop"]
+    assert resumed.summary["selective_backprop"] == straight.summary["selective_backprop"] == {
+        "steps": 2, "scored": 32, "kept": 16}  # fmt: skip
 
 
 def test_soft_targets_scaled_scoring_and_autocast(tmp_path):
@@ -136,18 +138,19 @@ def test_soft_targets_scaled_scoring_and_autocast(tmp_path):
     model.register_forward_hook(lambda m, i, o: calls.append((tuple(i[0].shape), o.dtype, torch.is_grad_enabled())))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # bf16 on a CPU without bf16 units
-        _, before, after = run(tmp_path, [sb(selection="top", scale_factor=0.5, start=0.75, end=0.875),
+        # 4 batches: batch 2 alone is selective ([0.5, 0.75) of the run).
+        _, before, after = run(tmp_path, [sb(selection="top", scale_factor=0.5, start=0.5, end=0.75),
                                           mixup(plugin_config(mixup, {})), mp(plugin_config(mp, {"dtype": "bf16"}))],
-                               model=model)  # fmt: skip
+                               model=model, max_duration="4ba")  # fmt: skip
     scoring = [c for c in calls if not c[2]]
-    assert scoring == [((16, 3, 8, 8), torch.bfloat16, False)]  # batch 6 alone, half size, bf16
-    x, y, scored_model = before[6]
-    assert y.ndim == 2 and after[6][1].shape == (8, 4)  # soft targets, 8 rows kept
+    assert scoring == [((16, 3, 8, 8), torch.bfloat16, False)]  # batch 2 alone, half size, bf16
+    x, y, scored_model = before[2]
+    assert y.ndim == 2 and after[2][1].shape == (8, 4)  # soft targets, 8 rows kept
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         losses = F.cross_entropy(scored_model(F.interpolate(x, scale_factor=0.5, mode="bilinear")).float(), y,
                                  reduction="none")  # fmt: skip
     top = losses.argsort(descending=True, stable=True)[:8].sort().values
-    assert torch.equal(after[6][0], x[top]) and torch.equal(after[6][1], y[top])
+    assert torch.equal(after[2][0], x[top]) and torch.equal(after[2][1], y[top])
 
 
 def test_functional_select_using_loss():
