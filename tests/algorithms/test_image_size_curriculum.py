@@ -260,7 +260,8 @@ def test_config_errors(options, message):
 
 # -- in_loader: the loader cuts each epoch's images at the curriculum's size ----------------
 
-RAMP = {"delay": 0, "finetune": 0, "initial_scale": 0.5}  # 24 px data: 12, 15, 18, 21 px over 2 epochs of 2
+# 24 px data, 2 epochs of 2 batches: 12, 15 -> 18, 18, 21 -> 24 px (multiples of 6: fewer sizes, fewer FLOP counts)
+RAMP = {"delay": 0, "finetune": 0, "initial_scale": 0.5, "size_multiple": 6}
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +294,7 @@ def _photo_run(path, root, options, **kwargs):
     probe, inputs = _inputs_probe(kwargs.pop("stop_at", None))
     train_data, _ = photo_loaders(root)
     # Not normalised: the inputs are the loader's pixels / 255.
+    kwargs.setdefault("checkpoint_interval", None)  # only the run that is resumed writes one
     trainer = train(path, [curriculum(**options), probe], train_data=train_data, max_duration="2ep",
                     eval_interval=None, image_size=24, normalize=None, **kwargs)  # fmt: skip
     return trainer, inputs
@@ -302,7 +304,7 @@ def test_in_loader_the_workers_cut_each_batch_at_its_size_and_resume_exactly(pho
     from slipstream import to_unit_float
 
     _, told = _photo_run(tmp_path / "told", photo_tree, RAMP)  # in_loader is on by default
-    assert [told[step].shape[-1] for step in sorted(told)] == [12, 15, 18, 21]  # batch by batch
+    assert [told[step].shape[-1] for step in sorted(told)] == [12, 18, 18, 24]  # batch by batch
     # The same crops as a loader made at 12 px: the box is drawn on the whole picture,
     # whatever the output size, and cut straight to it. (allclose: the engine's division
     # may round the last bit otherwise than to_unit_float's.)
@@ -311,10 +313,10 @@ def test_in_loader_the_workers_cut_each_batch_at_its_size_and_resume_exactly(pho
     assert torch.allclose(to_unit_float(next(iter(small))[0]), told[1], atol=1e-6)
     # Off: full-size crops shrunk on the device (other pixels, the same sizes).
     _, resized = _photo_run(tmp_path / "resized", photo_tree, {**RAMP, "in_loader": False})
-    assert [resized[step].shape[-1] for step in sorted(resized)] == [12, 15, 18, 21]
+    assert [resized[step].shape[-1] for step in sorted(resized)] == [12, 18, 18, 24]
     assert (resized[1] - told[1]).abs().mean() > 1e-3
     # Stopped mid-epoch 0 and resumed: the epoch's sizes are told again, the same crops follow.
-    first, _ = _photo_run(tmp_path / "split", photo_tree, RAMP, stop_at=1)
+    first, _ = _photo_run(tmp_path / "split", photo_tree, RAMP, stop_at=1, checkpoint_interval="1ba")
     checkpoint = first.run_dir / "checkpoints" / "latest.pt"
     _, after = _photo_run(tmp_path / "split", photo_tree, RAMP, load_path=checkpoint)
     assert sorted(after) == [2, 3, 4]
