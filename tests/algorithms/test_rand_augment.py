@@ -108,6 +108,13 @@ def test_each_image_draws_its_own_operations():
     assert torch.equal(out, rand_augment(same, "rand-m9-mstd0.5-inc1", seed=0))
     assert torch.equal(torch.get_rng_state(), rng)
     assert not torch.equal(out, rand_augment(same, "rand-m9-mstd0.5-inc1", seed=1))
+    # The geometric operations' resampling changes those images only, and no draw.
+    spec = parse_rand_augment("rand-m9-n1-p1.0")
+    plan = draw_plan(spec, 16, torch.Generator().manual_seed(0))
+    warped = torch.tensor([spec.ops[k] in GEOMETRIC_OPS for k in plan.ops[:, 0].tolist()])
+    linear, cubic = (rand_augment(same, spec, seed=0, interpolation=mode) for mode in ("bilinear", "bicubic"))
+    assert warped.any() and torch.equal(linear[~warped], cubic[~warped])
+    assert all(not torch.equal(a, b) for a, b in zip(linear[warped], cubic[warped], strict=True))
     # p0: no operation is applied.
     assert torch.equal(rand_augment(same, "rand-m9-mstd0.5-inc1-p0", seed=0), same)
 
@@ -180,14 +187,14 @@ def test_no_value_of_the_batch_is_read_on_the_host():
     assert mode.seen and set(mode.seen) == {("nonzero.default", (32,))}
 
 
-def _timm_op(name: str, image: torch.Tensor, magnitude: float) -> torch.Tensor:
-    """timm's operation on a PIL image, bilinear, its sign drawn after random.seed(0)."""
+def _timm_op(name: str, image: torch.Tensor, magnitude: float, resample: int = Image.BILINEAR) -> torch.Tensor:
+    """timm's operation on a PIL image, its sign drawn after random.seed(0)."""
     pil = Image.fromarray(image.permute(1, 2, 0).numpy())
-    hparams = dict(timm_aa._HPARAMS_DEFAULT, interpolation=Image.BILINEAR)
+    hparams = dict(timm_aa._HPARAMS_DEFAULT, interpolation=resample)
     random.seed(0)
     level = timm_aa.LEVEL_TO_ARG[name]
     args = level(magnitude, hparams) if level else ()
-    out = timm_aa.NAME_TO_OP[name](pil, *args, fillcolor=(128, 128, 128), resample=Image.BILINEAR)
+    out = timm_aa.NAME_TO_OP[name](pil, *args, fillcolor=(128, 128, 128), resample=resample)
     return torch.from_numpy(np.array(out)).permute(2, 0, 1).float()
 
 
@@ -206,6 +213,9 @@ def test_every_operation_is_timms_within_its_stated_tolerance(magnitude):
         if name in GEOMETRIC_OPS:
             theta = _to_theta(_pixel_matrices(name, arg, 20, 24), 20, 24).float()
             out = _warp(x, theta, torch.full((1, 3, 1, 1), 128 / 255)).clamp(0, 1)
+            cubic = _warp(x, theta, torch.full((1, 3, 1, 1), 128 / 255), "bicubic").clamp(0, 1)
+            # torch's bicubic kernel (a = -0.75) is not PIL's (a = -0.5): on noise, a few levels.
+            assert (cubic[0] * 255 - _timm_op(name, image, magnitude, Image.BICUBIC)).abs().mean() < 6, name
         else:
             out = PIXEL_OPS[name](x.clone(), None if arg is None else arg.float())
         diff = (out[0] * 255 - ref).abs()
@@ -263,6 +273,11 @@ def test_erasing_modes_fill_their_boxes_with_their_kind_of_values():
 def test_bad_erasing_options_are_refused(erasing, message):
     with pytest.raises(ConfigError, match=message):
         plugin_config(GpuAugmentation, {"erasing": erasing})
+
+
+def test_a_bad_interpolation_is_refused():
+    with pytest.raises(ConfigError, match="rand_augment_interpolation must be one of random, bilinear, bicubic"):
+        plugin_config(GpuAugmentation, {"rand_augment": "rand-m9", "rand_augment_interpolation": "nearest"})
 
 
 def test_erasing_works_on_the_normalised_batch_and_probability_0_removes_it(tmp_path):

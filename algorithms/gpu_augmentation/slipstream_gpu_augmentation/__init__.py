@@ -40,7 +40,7 @@ from torch import nn
 from slipstream import Algorithm, State, batch_seed, check_plugin_options, hookimpl, plugin_option, to_unit_float
 
 from .erasing import Erasing, random_erase
-from .rand_augment import RandAugmentSpec, parse_rand_augment, rand_augment
+from .rand_augment import INTERPOLATIONS, RandAugmentSpec, parse_rand_augment, rand_augment
 
 __all__ = [
     "AUGMENTATIONS", "PRESETS", "Erasing", "GpuAugmentation", "GpuAugmentationConfig",
@@ -111,6 +111,9 @@ class GpuAugmentationConfig:
     rand_augment_fill: list[float] = plugin_option(
         default_factory=lambda: [128.0, 128.0, 128.0], low=0, high=255, items=True
     )
+    # How rand_augment's geometric operations resample: timm's default picks bilinear or
+    # bicubic at random per application; its --train-interpolation fixes one.
+    rand_augment_interpolation: str = plugin_option("random", choices=INTERPOLATIONS)
     # timm's RandomErasing at before_forward, on the normalised batch: {probability,
     # mode: const|rand|pixel, count: n or [min, max], min_area, max_area, min_aspect,
     # max_aspect}; {} = off.
@@ -450,7 +453,13 @@ class GpuAugmentation(Algorithm):
             if self.rand_augment is not None:
                 # Its own stream of the batch's seed: turning it on leaves the kornia draws as they were.
                 seed = batch_seed(state.seed, state.rank, state.timestamp.batch, "rand_augment")
-                inputs = rand_augment(to_unit_float(inputs), self.rand_augment, seed, self.config.rand_augment_fill)
+                inputs = rand_augment(
+                    to_unit_float(inputs),
+                    self.rand_augment,
+                    seed,
+                    self.config.rand_augment_fill,
+                    self.config.rand_augment_interpolation,
+                )
         state.batch = (inputs, *rest)
 
     @hookimpl

@@ -62,9 +62,9 @@ GRAMMAR = (
 
 # Where this implementation is not timm's, operation by operation (the method card quotes it).
 APPROXIMATED = {
-    "geometric": "Rotate, ShearX/Y, TranslateX/YRel resample bilinearly (timm picks bilinear or "
-    "bicubic at random unless told an interpolation) with grid_sample; pixels from outside get "
-    "the fill colour, blended at the border where PIL does not blend",
+    "geometric": "Rotate, ShearX/Y, TranslateX/YRel resample with grid_sample (bilinear, or bicubic "
+    "with a = -0.75 where PIL's is -0.5); pixels from outside get the fill colour, blended at the "
+    "border where PIL does not blend",
     "enhance": "Color, Contrast, Brightness, Sharpness (and Desaturate) compute in float and are "
     "not rounded to 8-bit levels after each operation (within 1/255 of PIL's)",
     "AutoContrast": "stretches each channel's float range, PIL maps 8-bit levels (within 1/255)",
@@ -180,6 +180,7 @@ class Plan:
     applied: torch.Tensor  # bool: the layer's probability test passed
     magnitude: torch.Tensor  # float64, noise added and clipped
     sign: torch.Tensor  # float64, +1 or -1 (timm's _randomly_negate)
+    bicubic: torch.Tensor  # bool: a geometric op's resampling when it is drawn ("random")
 
 
 def draw_plan(spec: RandAugmentSpec, images: int, generator: torch.Generator) -> Plan:
@@ -204,7 +205,9 @@ def draw_plan(spec: RandAugmentSpec, images: int, generator: torch.Generator) ->
     magnitude = magnitude.clamp(0.0, upper)
     # timm negates when random() > 0.5.
     sign = torch.where(torch.rand(shape, generator=generator, dtype=torch.float64) > 0.5, -1.0, 1.0)
-    return Plan(ops, applied, magnitude, sign)
+    # Drawn whatever the interpolation setting, so that it changes no other draw.
+    bicubic = torch.rand(shape, generator=generator, dtype=torch.float64) < 0.5
+    return Plan(ops, applied, magnitude, sign, bicubic)
 
 
 def level_arg(name: str, magnitude: torch.Tensor, sign: torch.Tensor) -> torch.Tensor | None:
@@ -384,11 +387,14 @@ def _to_theta(m: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return torch.cat([linear, shift.unsqueeze(2)], dim=2)
 
 
-def _warp(x: torch.Tensor, theta: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+def _warp(x: torch.Tensor, theta: torch.Tensor, fill: torch.Tensor, mode: str = "bilinear") -> torch.Tensor:
     # Sampling (x - fill) with zero padding and adding fill back puts the fill colour
     # where the source is outside the image, in one grid_sample.
     grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-    return F.grid_sample(x - fill, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + fill
+    return F.grid_sample(x - fill, grid, mode=mode, padding_mode="zeros", align_corners=False) + fill
+
+
+INTERPOLATIONS = ("random", "bilinear", "bicubic")
 
 
 def rand_augment(
@@ -396,6 +402,7 @@ def rand_augment(
     spec: RandAugmentSpec | str,
     seed: int,
     fill: Sequence[float] = (128, 128, 128),
+    interpolation: str = "random",
 ) -> torch.Tensor:
     """Apply timm's RandAugment ``spec`` to each image of ``inputs`` with its own draws.
 
@@ -403,8 +410,12 @@ def rand_augment(
     tensor of the same shape, dtype and device, in [0, 1]. ``seed`` fixes every choice
     (operations, whether each applies, magnitudes, signs; drawn on the host, so alike
     on every device). ``fill`` is the colour geometric operations bring in, in 0-255
-    like timm's ``hparams['img_mean']`` (one value, or one per channel).
+    like timm's ``hparams['img_mean']`` (one value, or one per channel);
+    ``interpolation`` their resampling: ``random`` (bilinear or bicubic per application,
+    timm's default), ``bilinear`` or ``bicubic`` (timm's ``hparams['interpolation']``).
     """
+    if interpolation not in INTERPOLATIONS:
+        raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {interpolation!r}")
     if isinstance(spec, str):
         spec = parse_rand_augment(spec)
     n, c, h, w = inputs.shape
@@ -416,13 +427,13 @@ def rand_augment(
     plan = draw_plan(spec, n, torch.Generator().manual_seed(seed))
     # Everything the device needs, packed on the host and copied in one go: each
     # step's image rows and its per-image argument (or, for a layer's warp, 6 numbers).
-    steps: list[tuple[str | None, int, int]] = []  # (op, or None for the warp; first row; rows)
+    steps: list[tuple[str, int, int]] = []  # (op, or a warp's "bilinear"/"bicubic"; first row; rows)
     rows_parts: list[torch.Tensor] = []
     args_parts: list[torch.Tensor] = [torch.tensor(fill, dtype=torch.float64) / 255]
     offset = 0
     for layer in range(spec.num_layers):
         ops, applied = plan.ops[:, layer], plan.applied[:, layer]
-        warp_rows, warp_m = [], []
+        warp_rows, warp_m, warp_cubic = [], [], []
         for k, name in enumerate(spec.ops):
             rows = ((ops == k) & applied).nonzero().flatten()  # host tensors: no device sync
             if rows.numel() == 0:
@@ -431,17 +442,25 @@ def rand_augment(
             if name in GEOMETRIC_OPS:
                 warp_rows.append(rows)
                 warp_m.append(_pixel_matrices(name, arg, h, w))  # type: ignore[arg-type]
+                warp_cubic.append(plan.bicubic[rows, layer])
                 continue
             steps.append((name, offset, len(rows)))
             rows_parts.append(rows)
             args_parts.append(arg if arg is not None else torch.zeros(len(rows), dtype=torch.float64))
             offset += len(rows)
-        if warp_rows:
-            rows = torch.cat(warp_rows)
-            steps.append((None, offset, len(rows)))
-            rows_parts.append(rows)
-            args_parts.append(_to_theta(torch.cat(warp_m), h, w).flatten())
-            offset += len(rows)
+        if warp_rows:  # one warp per resampling mode for the layer's geometric operations
+            rows, theta = torch.cat(warp_rows), _to_theta(torch.cat(warp_m), h, w)
+            if interpolation == "random":
+                cubic = torch.cat(warp_cubic).tolist()
+            else:
+                cubic = [interpolation == "bicubic"] * len(rows)
+            for mode in ("bilinear", "bicubic"):
+                pick = torch.tensor([i for i, c in enumerate(cubic) if c == (mode == "bicubic")], dtype=torch.long)
+                if len(pick):
+                    steps.append((mode, offset, len(pick)))
+                    rows_parts.append(rows[pick])
+                    args_parts.append(theta[pick].flatten())
+                    offset += len(pick)
     if not steps:
         return out
     all_rows = torch.cat(rows_parts).to(inputs.device, non_blocking=True)
@@ -450,10 +469,10 @@ def rand_augment(
     for name, first, count in steps:
         index = all_rows[first : first + count]
         group = out.index_select(0, index)
-        if name is None:  # one warp for the layer's geometric operations
+        if name in ("bilinear", "bicubic"):
             theta = all_args[cursor : cursor + 6 * count].view(count, 2, 3)
             cursor += 6 * count
-            result = _warp(group, theta, fill_t).clamp_(0, 1)
+            result = _warp(group, theta, fill_t, name).clamp_(0, 1)
         else:
             result = PIXEL_OPS[name](group, all_args[cursor : cursor + count])
             cursor += count
