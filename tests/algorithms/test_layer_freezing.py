@@ -154,3 +154,19 @@ def test_refuses_torch_compile_fsdp_and_ddp_without_unused_parameters():
                 lf().init(state)
         else:
             lf().init(state)
+
+
+def test_under_grad_accumulation_the_set_grows_after_optimizer_steps_only(tmp_path):
+    from slipstream_grad_accumulation import GradAccumulation, GradAccumulationConfig
+
+    seen: list[int] = []
+    plugin = lf(freeze_start=0.0)
+    probe = Probe(batch_end=lambda s: seen.append(plugin.depth))
+    ga = GradAccumulation(GradAccumulationConfig(steps=2))
+    train(tmp_path, [plugin, ga, probe], model=small(), max_duration="8ba", eval_interval=None,
+          checkpoint_interval=None, threads=1, installed=installed([plugin, ga]))  # fmt: skip
+    # Groups of 2 batches: the optimizer steps after batches 1, 3, 5, 7 (0-based).
+    # The depth seen after batch b is the schedule's at the last step: at (b + 1) / 8 of the
+    # run after a step, at b / 8 after the batch that opens a group.
+    assert seen == [frozen_depth(LAYERS, (b + b % 2) / 8, 0.0) for b in range(8)]
+    assert seen != [frozen_depth(LAYERS, (b + 1) / 8, 0.0) for b in range(8)]  # what every batch would freeze
