@@ -18,7 +18,7 @@ from slipstream_gpu_augmentation import (
     random_erase,
 )
 from slipstream_gpu_augmentation.erasing import draw_boxes
-from slipstream_gpu_augmentation.rand_augment import (
+from slipstream_gpu_augmentation.randaugment import (
     GEOMETRIC_OPS,
     PIXEL_OPS,
     _pixel_matrices,

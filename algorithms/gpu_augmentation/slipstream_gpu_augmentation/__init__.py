@@ -9,7 +9,7 @@ from a float loader) and leave float in [0, 1]; the engine normalises them and
 sets their memory format afterwards.
 
 Two more stages reproduce timm's training recipes: ``rand_augment`` (timm's string,
-``rand-m9-mstd0.5-inc1``; :mod:`.rand_augment`) after the kornia pipeline, and
+``rand-m9-mstd0.5-inc1``; :mod:`.randaugment`) after the kornia pipeline, and
 ``erasing`` (timm's RandomErasing; :mod:`.erasing`) at ``before_forward``, on the
 normalised batch as timm erases normalised tensors. Both draw from their own stream
 of the batch's seed with explicit generators.
@@ -40,7 +40,7 @@ from torch import nn
 from slipstream import Algorithm, State, batch_seed, check_plugin_options, hookimpl, plugin_option, to_unit_float
 
 from .erasing import Erasing, random_erase
-from .rand_augment import INTERPOLATIONS, RandAugmentSpec, parse_rand_augment, rand_augment
+from .randaugment import INTERPOLATIONS, RandAugmentSpec, parse_rand_augment, rand_augment
 
 __all__ = [
     "AUGMENTATIONS", "PRESETS", "Erasing", "GpuAugmentation", "GpuAugmentationConfig",

@@ -298,11 +298,12 @@ def posterize(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 
 
 def solarize(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    return torch.where(_levels(x) < _per_image(threshold), x, 1 - x)
+    # round(255 x) < t  <=>  255 x < t - 0.5: the level test without rounding the batch.
+    return torch.where(x < _per_image(threshold - 0.5) / 255, x, 1 - x)
 
 
 def solarize_add(x: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
-    return torch.where(_levels(x) < 128, (x + _per_image(add) / 255).clamp_(max=1), x)
+    return torch.where(x < 127.5 / 255, (x + _per_image(add) / 255).clamp_(max=1), x)
 
 
 def color(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
