@@ -162,10 +162,13 @@ def test_bad_config_is_refused_before_the_run_with_a_clear_message(options, mess
     assert "algorithms.gpu_augmentation" in str(info.value)
 
 
-def test_ordered_after_the_curriculum():
+def test_ordered_after_the_curriculum_and_before_torch_compile():
+    # torch_compile marks the batch's size dynamic at before_forward, where erasing
+    # replaces the batch: the mark must land on the tensor the model receives.
     curriculum = type("C", (Algorithm,), {"name": "image_size_curriculum"})()
-    order = [a.name for a in resolve_order([GpuAugmentation(), curriculum])]
-    assert order == ["image_size_curriculum", "gpu_augmentation"]
+    compile_ = type("T", (Algorithm,), {"name": "torch_compile"})()
+    order = [a.name for a in resolve_order([compile_, GpuAugmentation(), curriculum])]
+    assert order == ["image_size_curriculum", "gpu_augmentation", "torch_compile"]
 
 
 # -- in training -----------------------------------------------------------------------
