@@ -66,7 +66,7 @@ def test_best_by_loss_keeps_the_lowest(tmp_path):
 def test_no_best_pt_without_a_metric_or_without_checkpoints(tmp_path):
     assert not train(tmp_path / "a", max_duration="1ep", best_metric=None).paths.best.exists()
     assert not train(tmp_path / "b", max_duration="1ep", checkpoint_interval=None).paths.best.exists()
-    with pytest.raises(ConfigError, match="trainer.best_metric must be one of accuracy, accuracy_top5, loss"):
+    with pytest.raises(ConfigError, match=r"best_metric='acc' is not evaluated \(did you mean 'accuracy'\?\)"):
         train(tmp_path / "c", best_metric="acc")
 
 

@@ -142,6 +142,7 @@ class Trainer:
             metrics, loss_fn=loss_fn, num_classes=_classes(model, config), device=self.device,
             evaluates=o.eval_interval is not None and eval_data is not None, best_metric=o.best_metric,
             target_accuracy=o.target_accuracy, prefix="trainer." if config is not None else "",
+            monitors=_monitors(self.callbacks),
         )  # fmt: skip
         self.config = config or self._describe_run(model, optimizer, metrics)
         self.start = find_start(o, self.config, self.device, verbose=self.verbose)
@@ -479,6 +480,16 @@ def _model_record(model: nn.Module) -> dict[str, Any]:
     architecture = (getattr(inner, "pretrained_cfg", None) or {}).get("architecture")
     name = f"timm/{architecture}" if isinstance(architecture, str) else type(inner).__name__
     return {"name": name, "num_classes": _classes(model, None)}
+
+
+def _monitors(callbacks: Sequence[Callback]) -> dict[str, str | None]:
+    """The eval metric each callback that watches one monitors (early stopping's), by option."""
+    out = {}
+    for callback in callbacks:
+        option = getattr(callback, "monitor_option", None)
+        if option is not None:
+            out[f"callbacks.{callback.name}.{option}"] = getattr(callback.config, option, None)
+    return out
 
 
 def _named(metrics: Sequence[Any] | None) -> bool:

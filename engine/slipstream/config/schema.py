@@ -644,6 +644,10 @@ def _check_numbers(cfg: DictConfig) -> None:
     for section in SECTIONS:
         for key, value in _leaves(OmegaConf.to_container(cfg[section]), section):
             if isinstance(value, bool):
+    for name, cls in _enabled_callbacks(cfg).items():
+        option = cls.monitor_option
+        if option is not None and option in (cfg.callbacks[name] or {}):
+            check_monitored(cfg.callbacks[name][option], specs, f"callbacks.{name}.{option}")
                 continue
             if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
                 raise ConfigError(

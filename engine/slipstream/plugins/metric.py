@@ -219,8 +219,8 @@ def check_monitored(metric: str | None, specs: Sequence[MetricSpec], key: str = 
     if metric in names or any(metric.startswith(f"{n}_") for n in names):
         return
     raise ConfigError(
-        f"{key}={metric!r} is not evaluated; the evaluation records {', '.join(names)} "
-        f"({KEY}), or set {key}=null"
+        f"{key}={metric!r} is not evaluated{did_you_mean(metric, names)}; the evaluation records "
+        f"{', '.join(names)} ({KEY}), or set {key}=null"
     )
 
 
@@ -234,14 +234,19 @@ def run_metrics(
     best_metric: str | None,
     target_accuracy: float | None,
     prefix: str = "",
+    monitors: Mapping[str, str | None] | None = None,
 ) -> MetricSet:
     """A run's metrics (``items``: ``evaluation.metrics``, a Trainer's ``metrics=``),
     built where the class count is known, and checked against what reads them: the
-    metric ``best_metric`` keeps, and ``accuracy`` for ``target_accuracy``."""
+    metric ``best_metric`` keeps, those callbacks monitor (``monitors``: option key to
+    metric, e.g. ``callbacks.early_stopping.monitor``), and ``accuracy`` for
+    ``target_accuracy``."""
     specs = parse_metrics(items)
     metrics = MetricSet(specs, loss_fn=loss_fn, num_classes=num_classes, device=device)
     if evaluates:
         check_monitored(best_metric, specs, f"{prefix}best_metric")
+        for key, monitored in (monitors or {}).items():
+            check_monitored(monitored, specs, key)
         if target_accuracy is not None and not any(s.name == "accuracy" for s in specs):
             raise ConfigError(
                 f"{prefix}target_accuracy is reached by eval accuracy, which {KEY} leaves out; add accuracy"
@@ -308,6 +313,8 @@ class MetricSet:
         self._raw: list[bool] = []
         self.count = 0  # samples of this rank in the evaluation so far
         self._reduced: dict[int, list[float]] = {}
+        # Built before any evaluation, alike on every rank (the class count was known).
+        self.eager = num_classes is not None
         if num_classes is not None:
             self.build(num_classes, device)
 

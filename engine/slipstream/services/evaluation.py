@@ -116,6 +116,8 @@ class Evaluator:
             with torch.no_grad():
                 self._evaluate_batches(state)
             reduce = _all_reduce if dist.is_available() and dist.is_initialized() else None
+            if reduce is not None and not self.metrics.eager:
+                _agree_on_classes(self.metrics, state)
             count = self.metrics.reduce(reduce)
             if not count:  # metrics of nothing would read as a loss of 0 and an accuracy of 0
                 raise ConfigError(self._nothing_to_evaluate(state))
@@ -173,6 +175,17 @@ def write_tables(state: State, tables: dict[str, Any]) -> None:
     for name, table in tables.items():
         record = {"metric": name, "step": ts.batch, "epoch": state.epochs_done(), "value": table}
         atomic_write_text(paths.eval_table(name, ts.batch), strict_json(record) + "\n")
+
+
+def _agree_on_classes(metrics: MetricSet, state: State) -> None:
+    """Metrics built at the first batch (the class count unknown before it) on a rank
+    that saw none would leave it out of the reduction's shape: every rank builds them
+    for the class count the others saw (one small all-reduce per evaluation, only then)."""
+    classes = torch.tensor([metrics.num_classes or 0], device=state.device)
+    dist.all_reduce(classes, op=dist.ReduceOp.MAX)
+    if metrics.num_classes is None and int(classes.item()) > 0:
+        metrics.loss_fn = state.loss_fn
+        metrics.build(int(classes.item()), state.device)
 
 
 def _all_reduce(tensor: torch.Tensor) -> None:
