@@ -298,10 +298,9 @@ def test_erasing_works_on_the_normalised_batch_and_probability_0_removes_it(tmp_
 
 def test_a_resumed_run_continues_the_same_rand_augment_and_erasing(tmp_path):
     options = {"rand_augment": "rand-m9-mstd0.5-inc1", "erasing": {"probability": 0.5, "mode": "pixel"}}
-    whole = model_inputs(tmp_path / "whole", [aug(**options)], max_duration="6ba")
+    whole = model_inputs(tmp_path / "whole", [aug(**options)], max_duration="5ba")
     first = _train(tmp_path / "half", [aug(**options)], installed=INSTALLED, max_duration="1ep", eval_interval=None)
     latest = first.run_dir / "checkpoints" / "latest.pt"
-    resumed = model_inputs(tmp_path / "half", [aug(**options)], max_duration="6ba", load_path=latest)
-    assert len(resumed) == 2
-    assert all(torch.equal(x, y) for x, y in zip(whole[4:], resumed, strict=True))
+    resumed = model_inputs(tmp_path / "half", [aug(**options)], max_duration="5ba", load_path=latest)
+    assert len(resumed) == 1 and torch.equal(whole[4], resumed[0])
     assert not torch.equal(whole[0], whole[4])  # the same images, the next epoch: new draws
