@@ -5,6 +5,7 @@ how much sooner each run reaches the baseline's final accuracy (or --target).
     .venv/bin/python benchmarks/bench_recipes.py resnet18_baseline resnet18_fast [--threads 2] [-o key=value ...]
     .venv/bin/python benchmarks/bench_recipes.py resnet18_baseline resnet18_fast --quick   # a smoke run
     .venv/bin/python benchmarks/bench_recipes.py resnet18_baseline my_variant.yaml   # recipe paths work too
+    .venv/bin/python benchmarks/bench_recipes.py default default+sam default+mixup+cutmix   # + adds algorithms
 
 Time to accuracy is read from each run's eval records (``elapsed_s``), as
 ``slipstream compare`` does; run the recipes one after another on a quiet machine.
@@ -54,7 +55,9 @@ def main() -> None:
     runs = []
     for i, name in enumerate(args.recipes):
         # The same recipe twice (a noise check) gets two run directories.
-        stem = Path(name).stem if name.endswith((".yaml", ".yml")) else name  # a recipe path
+        # RECIPE+a+b: the recipe with algorithms a and b enabled too (--algorithms a,b).
+        recipe, _, extra = name.partition("+")
+        stem = Path(recipe).stem + (f"+{extra}" if extra else "") if recipe.endswith((".yaml", ".yml")) else name
         label = stem if args.recipes.index(name) == i else f"{stem}-{i + 1}"
         overrides = [
             *(QUICK if args.quick else []),
@@ -64,7 +67,8 @@ def main() -> None:
             "trainer.progress_bar=false",
         ]
         try:
-            trainer = build_trainer(build_config(name, None, overrides), label=name, verbose=False)
+            cfg = build_config(recipe, extra.replace("+", ",") or None, overrides)
+            trainer = build_trainer(cfg, label=name, verbose=False)
             summary = trainer.fit()
         except Exception as exc:  # a user error (a used --out, a bad recipe): its message, as the CLI prints it
             message = user_error_message(exc)

@@ -67,6 +67,15 @@ def test_merge_order_defaults_recipe_algorithms_flag_overrides(recipes):
     assert cfg.algorithms.delta.x == 1  # a dotted option enables the algorithm
 
 
+def test_a_dotted_option_inside_a_plugins_mapping_keeps_the_rest_of_it():
+    """algorithms.gpu_augmentation.erasing.mode=const over a recipe's erasing mapping
+    changes the mode and keeps its probability (it used to replace the whole mapping)."""
+    cfg = build_config("deit_small", None, ["algorithms.gpu_augmentation.erasing.mode=const"])
+    erasing = cfg.algorithms.gpu_augmentation.erasing
+    assert erasing.mode == "const" and erasing.probability == 0.25 and erasing.count == 1
+    assert cfg.algorithms.gpu_augmentation.rand_augment == "rand-m9-mstd0.5-inc1"
+
+
 def test_algorithms_flag_adds_to_what_the_recipe_enables(recipes):
     cfg = build_config(recipes / "base.yaml", "gamma")
     assert list(cfg.algorithms) == ["alpha", "beta", "gamma"]

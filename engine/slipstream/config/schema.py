@@ -486,8 +486,21 @@ def _plugin_section(
         current = plugins.get(name) or {}
         if not isinstance(options, dict):
             raise ConfigError(f"{section}.{name} must be given as {section}.{name}.<key>=<value>")
-        plugins[name] = {**current, **options}
+        plugins[name] = _deep_merge(current, options)
     return {name: (opts or {}) for name, opts in plugins.items()}
+
+
+def _deep_merge(base: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """``more`` over ``base``, mappings merged key by key as omegaconf merges the other
+    sections: ``algorithms.gpu_augmentation.erasing.mode=const`` changes the recipe's
+    erasing mode and keeps its probability."""
+    merged = dict(base)
+    for key, value in more.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _remove_plugin(plugins: dict[str, Any], name: str, source: str, section: str = "algorithms") -> None:
