@@ -138,13 +138,8 @@ class Trainer:
         if note and self.verbose:
             print(f"slipstream: {note}", file=sys.stderr)
         loss_fn = loss_fn or nn.CrossEntropyLoss()
-        self.metrics = run_metrics(
-            metrics, loss_fn=loss_fn, num_classes=_classes(model, config), device=self.device,
-            evaluates=o.eval_interval is not None and eval_data is not None, best_metric=o.best_metric,
-            target_accuracy=o.target_accuracy, prefix="trainer." if config is not None else "",
-            monitors=_monitors(self.callbacks),
-        )  # fmt: skip
-        self.config = config or self._describe_run(model, optimizer, metrics)
+        self.metrics = _metrics(metrics, o, model, loss_fn, config, eval_data, self.device, self.callbacks)
+        self.config = config or describe_run(model, optimizer, o, self.algorithms, self.callbacks, metrics)
         self.start = find_start(o, self.config, self.device, verbose=self.verbose)
         self.load_path, self.weights_only = self.start.path, self.start.weights_only
         self.overwrite = o.overwrite or self.start.clear
@@ -201,22 +196,6 @@ class Trainer:
         self._hooks = SimpleNamespace()
         self._to_device = batch_mover(self.device)
         self._share_clock: Callable[[State], None] | None = None  # set in fit() (shared_clock)
-
-    def _describe_run(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, metrics: Sequence[Any] | None
-    ) -> dict[str, Any]:
-        """config.yaml for a run set up in Python: what the CLI's config would say,
-        so that a checkpoint can tell what wrote it."""
-        group = optimizer.param_groups[0] if optimizer.param_groups else {}
-        return {
-            "model": _model_record(model),
-            # Names and import paths only: a metric object given in Python cannot be written.
-            "evaluation": {"metrics": list(metrics) if _named(metrics) else None},
-            "optimizer": {"name": type(optimizer).__name__, "lr": float(group.get("lr", 0.0))},
-            "trainer": self.options.as_config(),
-            "algorithms": {a.name: config_as_dict(a) for a in self.algorithms},
-            "callbacks": {c.name: config_as_dict(c) for c in self.callbacks},
-        }
 
     @property
     def hooks(self) -> SimpleNamespace:
@@ -470,6 +449,48 @@ class Trainer:
         records = self.registry.records([*self.algorithms, *self.callbacks])
         payload = checkpoint_payload(state, records, hook=self.pm.hook)
         return {**payload, "train_losses": self.services.losses.state_dict()}  # the metrics log's open window
+
+
+def describe_run(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    options: TrainerOptions,
+    algorithms: Sequence[Algorithm],
+    callbacks: Sequence[Callback],
+    metrics: Sequence[Any] | None,
+) -> dict[str, Any]:
+    """config.yaml for a run set up in Python: what the CLI's config would say, so that
+    a checkpoint can tell what wrote it (and `slipstream eval`/`export` rebuild it)."""
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    return {
+        "model": _model_record(model),
+        # Names and import paths only: a metric object given in Python cannot be written.
+        "evaluation": {"metrics": list(metrics) if _named(metrics) else None},
+        "optimizer": {"name": type(optimizer).__name__, "lr": float(group.get("lr", 0.0))},
+        "trainer": options.as_config(),
+        "algorithms": {a.name: config_as_dict(a) for a in algorithms},
+        "callbacks": {c.name: config_as_dict(c) for c in callbacks},
+    }
+
+
+def _metrics(
+    items: Sequence[Any] | None,
+    o: TrainerOptions,
+    model: nn.Module,
+    loss_fn: Any,
+    config: dict[str, Any] | None,
+    eval_data: Any,
+    device: torch.device,
+    callbacks: Sequence[Callback],
+) -> Any:
+    """The run's metrics (:func:`slipstream.plugins.metric.run_metrics`), checked against
+    what reads them before anything is written."""
+    return run_metrics(
+        items, loss_fn=loss_fn, num_classes=_classes(model, config), device=device,
+        evaluates=o.eval_interval is not None and eval_data is not None, best_metric=o.best_metric,
+        target_accuracy=o.target_accuracy, prefix="trainer." if config is not None else "",
+        monitors=_monitors(callbacks),
+    )  # fmt: skip
 
 
 def _model_record(model: nn.Module) -> dict[str, Any]:
