@@ -5,7 +5,9 @@ Each training batch is replaced, on the device at ``batch_start``, by
 with ``lam ~ Beta(alpha, alpha)`` drawn once per batch (Zhang et al. 2018). The
 soft targets are the representation: ``state.batch`` becomes ``(inputs, probs)``
 with ``probs`` of shape ``(N, num_classes)``, rows summing to 1, and the loss is
-torch's cross-entropy with probability targets. So the engine's default
+torch's cross-entropy with probability targets. Multi-hot targets of a multi-label
+run (``(N, num_classes)`` floats, ``loss.name=bce``) are mixed the same way, each
+class weighted by the share of the images that show it. So the engine's default
 ``compute_loss`` needs no change, and ``label_smoothing`` (which swaps in
 ``nn.CrossEntropyLoss(label_smoothing=s)`` around that step) smooths the mixed
 targets, in either order. Evaluation batches are never touched.
@@ -58,12 +60,20 @@ def draw_lambda(alpha: float, generator: np.random.Generator | None = None) -> f
 
 def mix_targets(targets: torch.Tensor, num_classes: int, lam: float) -> torch.Tensor:
     """``lam * p + (1 - lam) * p.roll(1)`` where ``p`` is the one-hot rows of class
-    indices ``targets`` (or ``targets`` itself when it already holds probabilities,
-    ``(N, num_classes)``): float probabilities whose rows sum to 1."""
+    indices ``targets``, or ``targets`` itself when it is already ``(N, num_classes)``:
+    class probabilities (rows summing to 1, and so do the mixed ones) or multi-hot
+    vectors of a multi-label run (each class then weighs as much as the images that
+    show it: 1 in both, ``lam`` or ``1 - lam`` in one, 0 in neither), as timm's Mixup
+    mixes its one-hot and multi-hot targets."""
     if targets.ndim == 1:
         probs = F.one_hot(targets.long(), num_classes).float()
-    else:
+    elif targets.ndim == 2 and targets.shape[1] == num_classes:
         probs = targets.float()
+    else:
+        raise ConfigError(
+            f"mixing needs targets of class indices (N,) or of {num_classes} classes (N, {num_classes}), "
+            f"got shape {tuple(targets.shape)}"
+        )
     return torch.lerp(probs.roll(1, 0), probs, lam)
 
 

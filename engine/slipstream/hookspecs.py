@@ -98,8 +98,13 @@ finished (restore weights it swapped in at ``eval_start``) makes its ``*_end``
 
 Where the batch is, and what it holds
 -------------------------------------
-``state.batch`` is ``(inputs, targets)`` for classification, already on the run's
-device, at every batch event. Normalisation is not a hook implementation: it is an
+``state.batch`` is ``(inputs, targets)`` for classification (a loader may add items
+after them, which plugins pass on as ``*rest``), always a tuple, already on the run's
+device, at every batch event. A loader's dict batch is made that tuple where it
+enters the loop, by one mapping (``slipstream.services.batches.as_pair``: inputs
+under ``image``/``images``/``pixel_values``/``inputs``/``input``, targets under
+``label``/``labels``/``targets``/``target``, any other keys as a dict third), so no
+plugin sees a dict. Normalisation is not a hook implementation: it is an
 explicit step of the loop that runs after ``batch_start`` (and after
 ``eval_batch_start`` at evaluation) has returned, so it comes after every plugin's
 batch transform, ``trylast`` ones included.
@@ -115,11 +120,14 @@ augmentation returns float in [0, 1]). A plugin that computes on pixel values ca
 for ``uint8``, nothing for float); one that only moves pixels (crop, flip) may keep
 the dtype. Never normalise here: the engine does.
 
-The targets are class indices (``int64``, ``(N,)``) as the loader yielded them. A
-mixing plugin (``mixup``, ``cutmix``) replaces them at ``batch_start`` with class
-probabilities, float ``(N, num_classes)`` whose rows sum to 1, which torch's
-cross-entropy (the default loss) takes as they are; evaluation targets are always
-class indices.
+The targets are class indices (``int64``, ``(N,)``) as the loader yielded them, or,
+for a multi-label dataset (``DatasetPlugin.task == "multilabel"``, e.g.
+``synthetic_multilabel``), multi-hot vectors, float32 ``(N, num_classes)`` of 0 and 1.
+A mixing plugin (``mixup``, ``cutmix``) replaces them at ``batch_start`` with float
+``(N, num_classes)`` mixtures: class probabilities whose rows sum to 1 from class
+indices, which torch's cross-entropy (the default loss) takes as they are, or mixed
+multi-hot rows, which ``loss.name=bce`` takes. Evaluation targets are never mixed:
+class indices, or the multi-hot vectors of a multi-label dataset.
 
 From ``before_forward`` on, and at ``eval_batch_end``, the inputs are what the model
 receives: float32, normalised with the dataset's mean and std (``data.normalize``;

@@ -218,3 +218,21 @@ def test_the_switch_resumes_bit_exactly(tmp_path):
         assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
     for p, q in zip(straight.state.model.parameters(), trainer.state.model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_a_multi_label_run_cuts_and_mixes_multi_hot_targets_by_area(tmp_path):
+    from slipstream.models import build_loss
+
+    multi_hot = (torch.arange(64).unsqueeze(1) // torch.tensor([1, 2, 3, 5]) % 2).float()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(RAW_TRAIN, multi_hot), batch_size=16)
+    seen, _ = seen_batches(
+        tmp_path, [cutmix()], train_data=data, loss_fn=build_loss("bce"), max_duration="2ba",
+        eval_interval=None, checkpoint_interval=None,
+    )  # fmt: skip
+    assert len(seen) == 2
+    for (x, soft, loss, out), raw, y in zip(seen, RAW_TRAIN.split(16), multi_hot.split(16), strict=False):
+        pasted = (x != raw).any(dim=1)[0]  # where the neighbour's box lies (random pixels: all differ)
+        lam = 1 - pasted.float().mean().item()
+        assert 0 < lam < 1
+        assert torch.allclose(soft, mix_targets(y, K, lam), atol=1e-6)
+        assert loss.item() == pytest.approx(F.binary_cross_entropy_with_logits(out, soft).item(), rel=1e-5)

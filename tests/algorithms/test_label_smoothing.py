@@ -185,3 +185,25 @@ def test_smoothing_out_of_range_is_a_config_error(value):
 def test_defaults():
     assert LabelSmoothing().config == LabelSmoothingConfig(smoothing=0.1)
     assert plugin_config(LabelSmoothing, {}).smoothing == 0.1
+
+
+def test_multi_hot_targets_are_smoothed_per_class_through_bce(tmp_path):
+    """A multi-label run (multi-hot float targets, loss.name=bce): each class's binary
+    target becomes (1 - s) * y + s / K; without the plugin the loss is plain BCE."""
+    from slipstream.models import build_loss
+
+    x = torch.cat([x for x, _ in tiny_loaders()[0]])
+    multi_hot = (torch.arange(64).unsqueeze(1) // torch.tensor([1, 2, 3, 5]) % 2).float()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, multi_hot), batch_size=16)
+    for name, algos, s in (("on", [smoothing(0.2)], 0.2), ("off", [], 0.0)):
+        seen: list[tuple[torch.Tensor, ...]] = []
+        record = lambda st, seen=seen: seen.append((st.loss.detach(), st.outputs.detach(), st.batch[1]))  # noqa: E731
+        probe = Probe(after_loss=record)
+        train(tmp_path / name, [*algos, probe], train_data=data, loss_fn=build_loss("bce"), max_duration="1ba",
+              eval_interval=None)  # fmt: skip
+        assert len(seen) == 1
+        for loss, out, y in seen:
+            assert torch.equal(y.unique(), torch.tensor([0.0, 1.0]))
+            expected = F.binary_cross_entropy_with_logits(out, (1 - s) * y + s / 4)
+            torch.testing.assert_close(loss, expected)
+            assert (loss == F.binary_cross_entropy_with_logits(out, y)) == (s == 0)

@@ -164,3 +164,41 @@ def test_num_classes_from_config_when_the_model_does_not_say(tmp_path):
     seen, _ = seen_batches(tmp_path, [mixup(num_classes=K)], model=model, max_duration="1ba")
     assert seen[0][1].shape == (16, K)
     assert MixupConfig().num_classes is None
+
+
+# -- multi-label targets -----------------------------------------------------------------
+
+# Multi-hot targets of the tiny data: several classes per image, some rows sharing a class.
+MULTI_HOT = (torch.arange(64).unsqueeze(1) // torch.tensor([1, 2, 3, 5]) % 2).float()
+
+
+def multi_label_data():
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(RAW_TRAIN, MULTI_HOT), batch_size=16)
+
+
+def test_multi_hot_targets_are_mixed_by_the_same_convex_combination():
+    y, lam = MULTI_HOT[:8], 0.3
+    mixed = mix_targets(y, K, lam)
+    assert torch.allclose(mixed, lam * y + (1 - lam) * y.roll(1, 0))
+    both = (y == 1) & (y.roll(1, 0) == 1)
+    assert both.any() and torch.equal(mixed[both], torch.ones(int(both.sum())))  # shown in both images: 1
+    assert not torch.allclose(mixed.sum(dim=1), torch.ones(8))  # rows are no probabilities
+    with pytest.raises(ConfigError, match=r"or of 4 classes \(N, 4\), got shape \(8, 5\)"):
+        mix_targets(torch.zeros(8, 5), K, lam)
+
+
+def test_a_multi_label_run_trains_on_mixed_multi_hot_targets(tmp_path):
+    from slipstream.models import build_loss
+
+    seen, _ = seen_batches(
+        tmp_path, [mixup(alpha=1.0)], train_data=multi_label_data(), loss_fn=build_loss("bce"),
+        max_duration="2ba", eval_interval=None, checkpoint_interval=None,
+    )  # fmt: skip
+    assert len(seen) == 2
+    for (x, soft, loss, out), raw_x, raw_y in zip(seen, RAW_TRAIN.split(16), MULTI_HOT.split(16), strict=False):
+        apart = (raw_x - raw_x.roll(1, 0)).flatten()
+        at = apart.abs().argmax()  # x = lam * raw + (1 - lam) * neighbour: lam where they differ most
+        lam = float((x - raw_x.roll(1, 0)).flatten()[at] / apart[at])
+        assert torch.allclose(soft, mix_targets(raw_y, K, lam), atol=1e-4)
+        assert not torch.equal(soft, raw_y)
+        assert loss.item() == pytest.approx(F.binary_cross_entropy_with_logits(out, soft).item(), rel=1e-5)

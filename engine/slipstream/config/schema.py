@@ -278,10 +278,34 @@ def check_data(cfg: DictConfig) -> None:
 
     dataset = build_dataset_plugin(plain(cfg.data))
     geometries(cfg.data, type(dataset).photos)  # the crop and resize options, checked
+    check_task(type(dataset), cfg.data.name, cfg.loss.name)
     if cfg.data.repeats > 1 and type(dataset).streams:
         raise ConfigError(
             f"data.repeats={cfg.data.repeats} needs a map-style dataset: data.name={cfg.data.name} "
             "streams its samples, each once per epoch; use data.repeats=1"
+        )
+
+
+def check_task(dataset: Any, name: str, loss: str) -> None:
+    """A dataset's declared targets (``DatasetPlugin.task``) are ones the engine knows, and
+    multi-hot targets do not meet the softmax cross-entropy, which would take them for one
+    class's probabilities and train without a word."""
+    task = getattr(dataset, "task", "multiclass")
+    if task not in ("multiclass", "multilabel"):
+        raise ConfigError(f"data.name={name} declares task={task!r}; a dataset's task is multiclass or multilabel")
+    if task == "multilabel" and loss == "cross_entropy":
+        raise ConfigError(
+            f"data.name={name} has multi-hot targets (several labels per image), which loss.name=cross_entropy "
+            "(one class per image) does not take: use loss.name=bce (one sigmoid per class)"
+        )
+    if task == "multilabel":
+        # Until the evaluation takes the dataset's task (its metrics, its loss), say what it measures.
+        warnings.warn(
+            f"data.name={name} has multi-hot targets, which the evaluation does not measure as such yet: "
+            "its loss is the cross-entropy against each target row and its accuracy whether the top logit "
+            "is the row's first present class; judge the run by its training loss",
+            ConfigWarning,
+            stacklevel=3,
         )
 
 
@@ -642,6 +666,10 @@ def check_evaluation(cfg: DictConfig, options: TrainerOptions) -> None:
     if options.eval_interval is None:
         return
     check_monitored(options.best_metric, specs)
+    for name, cls in _enabled_callbacks(cfg).items():
+        option = cls.monitor_option
+        if option is not None and option in (cfg.callbacks[name] or {}):
+            check_monitored(cfg.callbacks[name][option], specs, f"callbacks.{name}.{option}")
     if options.target_accuracy is not None and not any(s.name == "accuracy" for s in specs):
         raise ConfigError("trainer.target_accuracy is reached by eval accuracy, which evaluation.metrics leaves out")
 
@@ -657,10 +685,6 @@ def _check_numbers(cfg: DictConfig) -> None:
     for section in SECTIONS:
         for key, value in _leaves(OmegaConf.to_container(cfg[section]), section):
             if isinstance(value, bool):
-    for name, cls in _enabled_callbacks(cfg).items():
-        option = cls.monitor_option
-        if option is not None and option in (cfg.callbacks[name] or {}):
-            check_monitored(cfg.callbacks[name][option], specs, f"callbacks.{name}.{option}")
                 continue
             if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
                 raise ConfigError(

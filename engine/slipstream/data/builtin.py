@@ -1,4 +1,4 @@
-"""The four built-in data sources as dataset plugins (registered by the engine's own
+"""The built-in data sources as dataset plugins (registered by the engine's own
 distribution in the ``slipstream.datasets`` entry-point group)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from slipstream.data.sources import DataRequest, DatasetPlugin
 from slipstream.data.stats import DATASET_STATS
+from slipstream.plugins.checks import check_plugin_options, plugin_option
 
 
 def build_datasets(name: str, **options: Any) -> tuple[Any, Any, int]:
@@ -25,6 +26,25 @@ class SyntheticConfig:
     num_classes: int = 10
     train_size: int = 5000
     val_size: int = 1000
+
+
+@dataclass
+class SyntheticMultiLabelConfig:
+    # Bounds as slipstream.data.multilabel's (not imported here: checking a config
+    # should not render anything): one class per shape, four cells per image.
+    num_classes: int = plugin_option(10, low=2, high=10, whole=True, note="one per shape")
+    train_size: int = plugin_option(5000, low=0, whole=True)
+    val_size: int = plugin_option(1000, low=0, whole=True)
+    # Each image shows 1 to max_shapes different shapes, one per cell of a 2 x 2 grid.
+    max_shapes: int = plugin_option(3, low=1, high=4, whole=True, note="one per cell of a 2 x 2 grid")
+
+    def __post_init__(self) -> None:
+        check_plugin_options(self)
+        if self.max_shapes > self.num_classes:
+            raise ValueError(
+                f"max_shapes={self.max_shapes} is more than num_classes={self.num_classes}: an image shows "
+                "each shape at most once"
+            )
 
 
 @dataclass
@@ -57,6 +77,33 @@ class Synthetic(DatasetPlugin):
             num_classes=c.num_classes,
             train_size=c.train_size,
             val_size=c.val_size,
+            seed=request.seed,
+            train_geometry=request.train_geometry,
+            eval_geometry=request.eval_geometry,
+        )
+
+
+class SyntheticMultiLabel(DatasetPlugin):
+    """Several shapes per image, multi-hot targets (loss.name=bce): deterministic, no download."""
+
+    name = "synthetic_multilabel"
+    config_class = SyntheticMultiLabelConfig
+    stats = DATASET_STATS["synthetic_multilabel"]
+    task = "multilabel"
+
+    @classmethod
+    def known_num_classes(cls, data: Mapping[str, Any]) -> Optional[int]:
+        return data.get("num_classes", SyntheticMultiLabelConfig.num_classes)
+
+    def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:
+        c = self.config
+        return build_datasets(
+            "synthetic_multilabel",
+            image_size=request.image_size,
+            num_classes=c.num_classes,
+            train_size=c.train_size,
+            val_size=c.val_size,
+            max_shapes=c.max_shapes,
             seed=request.seed,
             train_geometry=request.train_geometry,
             eval_geometry=request.eval_geometry,

@@ -18,6 +18,7 @@ from torchvision.transforms import v2
 
 from slipstream.data.decode import as_uint8, read_rgb  # noqa: F401 (re-exported)
 from slipstream.data.geometry import Geometry
+from slipstream.data.multilabel import SyntheticMultiLabel
 from slipstream.data.stats import DATASET_NAMES, DATASET_STATS, Stats  # noqa: F401 (re-exported)
 from slipstream.data.synthetic import SyntheticShapes
 from slipstream.data.unreadable import SkippingImageFolder
@@ -170,22 +171,28 @@ def build_datasets(
     seed: int = 0,
     train_geometry: Geometry | None = None,
     eval_geometry: Geometry | None = None,
+    max_shapes: int = 3,
 ) -> tuple[Dataset, Dataset, int]:
     """Return `(train, val, num_classes)` for dataset `name`.
 
-    `num_classes`, `train_size`, `val_size` and `seed` apply to `synthetic` only; the
+    `num_classes`, `train_size`, `val_size` and `seed` apply to `synthetic` and
+    `synthetic_multilabel` only (`max_shapes`: the latter's most shapes per image); the
     real datasets report their own class count. The geometries
     (:mod:`slipstream.data.geometry`) cut each split's images; None: as before they
     existed (the shorter side to ``image_size`` and the centre square).
     """
-    if name == "synthetic":
+    if name in ("synthetic", "synthetic_multilabel"):
+        # Made at any resolution: the evaluation's is drawn at its own size.
+        eval_size = eval_geometry.size if eval_geometry else image_size
         try:
-            train = SyntheticShapes(train_size, image_size, num_classes, seed, "train")
-            # Made at any resolution: the evaluation's is drawn at its own size.
-            eval_size = eval_geometry.size if eval_geometry else image_size
-            val = SyntheticShapes(val_size, eval_size, num_classes, seed, "val")
+            if name == "synthetic":
+                train = SyntheticShapes(train_size, image_size, num_classes, seed, "train")
+                val = SyntheticShapes(val_size, eval_size, num_classes, seed, "val")
+            else:
+                train = SyntheticMultiLabel(train_size, image_size, num_classes, seed, "train", max_shapes)
+                val = SyntheticMultiLabel(val_size, eval_size, num_classes, seed, "val", max_shapes)
         except ValueError as err:
-            raise DataError(f"synthetic: {err}") from err
+            raise DataError(f"{name}: {err}") from err
         return _cut(train, train_geometry), _cut(val, eval_geometry), num_classes
     if name in ("cifar10", "cifar100"):
         train, val, classes = _cifar(name, root, image_size, download, eval_geometry.size if eval_geometry else None)
@@ -201,6 +208,7 @@ def stats_of(dataset: Any) -> Stats | None:
     # CIFAR100 subclasses CIFAR10, so it is checked first.
     for cls, name in (
         (SyntheticShapes, "synthetic"),
+        (SyntheticMultiLabel, "synthetic_multilabel"),
         (datasets.CIFAR100, "cifar100"),
         (datasets.CIFAR10, "cifar10"),
         (datasets.DatasetFolder, "imagefolder"),

@@ -2,7 +2,7 @@
 
 A dataset plugin is a class with a ``name``, an optional ``config_class`` dataclass
 (its own ``data.<key>`` options, checked like an algorithm's) and a ``build`` method
-that returns the train and eval data of one rank. The four built-ins (synthetic,
+that returns the train and eval data of one rank. The built-ins (synthetic, synthetic_multilabel,
 cifar10, cifar100, imagefolder) are registered by the engine's own distribution, the
 same way a third party registers one::
 

@@ -47,7 +47,8 @@ class DataRequest:
 @dataclass
 class BuiltData:
     """A dataset plugin's result. ``train``/``eval`` are iterables of
-    ``(uint8 images, int64 targets)`` batches; a ``train.sampler`` with
+    ``(uint8 images, int64 targets)`` batches (float32 ``(N, num_classes)`` multi-hot
+    targets for a ``task = "multilabel"`` plugin); a ``train.sampler`` with
     ``set_epoch(epoch, start_batch)`` and ``batches_per_epoch`` makes the order a
     function of (seed, epoch) and mid-epoch resume exact."""
 
@@ -78,6 +79,9 @@ class DatasetPlugin(Plugin):
     # training, timm's 0.875 centre crop for evaluation by default), or made at their
     # size (synthetic, CIFAR: taken whole).
     photos: ClassVar[bool] = False
+    # What its targets are: "multiclass" (one class index per image, int64) or
+    # "multilabel" (a multi-hot float vector of num_classes per image; loss.name=bce).
+    task: ClassVar[str] = "multiclass"
     # Whether it streams its samples (its own loader, not the engine's map-style one):
     # a stream's loader starts its workers each epoch, so data.persistent_workers is not read.
     streams: ClassVar[bool] = False

@@ -74,11 +74,11 @@ class Rebuilt:
     def inputs(self, count: int = 2) -> torch.Tensor:
         """``count`` eval inputs as the model receives them (on the device,
         normalised, in the run's memory format)."""
-        from slipstream.services.batches import to_device
+        from slipstream.services.batches import as_pair, to_device
 
         state = self.trainer.state
         loader = state.eval_loader if state.eval_loader is not None else state.train_loader
-        batch = next(iter(loader))
+        batch = as_pair(next(iter(loader)))  # a dict batch too
         state.batch = to_device((batch[0][:count], batch[1][:count]), state.device)
         self.trainer.normalize.prepare(state)
         return state.batch[0]
