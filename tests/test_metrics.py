@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -74,6 +75,20 @@ def test_top5_and_the_multi_label_metrics_against_a_hand_computation():
 def test_the_listing_says_what_each_builtin_class_says():
     for name, summary in BUILTIN_SUMMARIES.items():
         assert metric_class(name).__doc__.strip().splitlines()[0] == summary
+
+
+def test_the_engines_metrics_are_found_without_reading_entry_points_as_registered():
+    """metric_class takes the engine's own names from a table, not the entry points
+    (read per Trainer they were a third of a tiny run): the table must be what the
+    package registers, so that listing and use agree."""
+    from importlib.metadata import entry_points
+
+    from slipstream.plugins.metric import ENGINE_METRICS, METRICS_GROUP
+
+    registered = {ep.name: ep.value for ep in entry_points(group=METRICS_GROUP) if ep.dist.name == "slipstream"}
+    assert registered == ENGINE_METRICS
+    with mock.patch("slipstream.plugins.metric.installed_metrics", side_effect=AssertionError("entry points read")):
+        assert [metric_class(n).__name__ for n in ("loss", "accuracy")] == ["Loss", "Accuracy"]
 
 
 class MeanConfidence:
