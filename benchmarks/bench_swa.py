@@ -6,7 +6,7 @@ after every batch (the worst case: Composer's default updates once an epoch); in
 the batch-norm statistics pass (one extra no-grad forward of the average per batch);
 and one ``swa_update`` over the 11.7 M weights alone.
 
-    .venv/bin/python benchmarks/bench_swa.py --threads 1          # ~2 min idle
+    .venv/bin/python benchmarks/bench_swa.py --threads 1 --steps 8 --repeats 5   # ~1.5 min idle
     .venv/bin/python benchmarks/bench_swa.py --quick
 """
 

@@ -54,7 +54,6 @@ from slipstream import (
 
 STRATEGIES = ("linear", "cos")
 _TIMES = ("ba", "ep", "sp", "dur")  # no wall clock: the window must be comparable to the run
-PHASES = ("before", "averaging", "bn", "done")
 
 
 # -- the functional API ------------------------------------------------------------------
@@ -189,8 +188,8 @@ def _all_mean(tensors: list[Tensor], world_size: int) -> None:
         flat = torch.cat([t.reshape(-1) for t in group])
         dist.all_reduce(flat)
         flat.div_(world_size)
-        torch._foreach_copy_(group, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in group]), group,
-                                                                        strict=True)])
+        parts = flat.split([t.numel() for t in group])
+        torch._foreach_copy_(group, [part.view_as(t) for part, t in zip(parts, group, strict=True)])
 
 
 def _fraction(state: State, text: str) -> float | None:
@@ -238,7 +237,7 @@ class SWA(Algorithm):
         self.anneal = Duration.parse(cfg.anneal)
         self.averaged: nn.Module | None = None  # the average, a copy of the unwrapped model
         self.n_averaged = 0
-        self.phase = "before"
+        self.phase = "before"  # then "averaging", "bn" (the statistics pass) and "done"
         self.opened_at: int | None = None  # the batch count when the window opened
         self.anneal_t0: float | None = None  # the run's time then, in anneal's unit
         self.lr0: list[float] | None = None  # each group's LR at the window's first step
