@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,15 @@ def test_an_unknown_argument_is_refused_with_what_is_allowed():
     result = subprocess.run(["bash", str(SCRIPT), "--fast"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip() == "gpu_check.sh: unknown argument '--fast'; allowed: --dry-run, --help"
+
+
+def test_every_cuda_test_file_is_in_the_device_checks_list():
+    """A CUDA test the device check does not name never runs anywhere: the suite skips
+    it without a GPU, and the device machine runs only the files listed."""
+    script = (ROOT / "tools" / "gpu_check.sh").read_text()
+    marked = sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if re.search(r"^(\s*@pytest\.mark\.cuda\b|pytestmark = (CUDA|pytest\.mark\.cuda))", p.read_text(), re.MULTILINE)
+    )
+    assert marked and [m for m in marked if m not in script] == []

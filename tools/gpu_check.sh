@@ -108,7 +108,8 @@ SELECT=(); [[ -n "${GPU_CHECK_TESTS:-}" ]] && SELECT=(-k "$GPU_CHECK_TESTS")
 step cuda_tests 150 "$PYTHON" -m pytest -v -m cuda -rs -p no:cacheprovider --junitxml="$WORK/cuda_tests.xml" "${SELECT[@]}" \
     tests/cuda/test_cuda_precision.py tests/algorithms/test_mixed_precision.py \
     tests/algorithms/test_matmul_precision.py tests/cuda/test_cuda_data.py \
-    tests/cuda/test_cuda_decode.py tests/cuda/test_cuda_compile_memory.py tests/cuda/test_cuda_distributed.py
+    tests/cuda/test_cuda_decode.py tests/cuda/test_cuda_compile_memory.py tests/cuda/test_cuda_distributed.py \
+    tests/algorithms/test_sync_batchnorm.py
 
 # 4. The time-to-accuracy pair: fp32 baseline, then the fast recipe with bf16,
 # channels-last and torch.compile. Each run in its own process and time limit.
