@@ -61,6 +61,8 @@ class State:
     max_duration: Duration
     train_loader: Any = None
     eval_loader: Any = None
+    # Every evaluation set by name, the first being eval_loader (docs/metrics.md); empty: eval_loader as "val".
+    eval_sets: dict[str, Any] = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     loss_fn: Callable[..., torch.Tensor] = field(default_factory=nn.CrossEntropyLoss)
     schedulers: list[Any] = field(default_factory=list)

@@ -36,7 +36,7 @@ from slipstream.plugins.algorithm import Algorithm
 from slipstream.plugins.callback import Callback
 from slipstream.plugins.discovery import PluginInfo, config_as_dict
 from slipstream.plugins.dispatch import bind, bind_event, blame
-from slipstream.plugins.metric import run_metrics
+from slipstream.plugins.metric import record_key, run_metrics
 from slipstream.plugins.registry import Registry
 from slipstream.plugins.variants import choose_run_variants
 from slipstream.run.assembly import assemble, check_hooks
@@ -51,6 +51,7 @@ from slipstream.run.preflight import (
 )
 from slipstream.run.process import Process, seed_everything, set_up_process
 from slipstream.services.batches import batch_mover, check_pair
+from slipstream.services.evaluation import eval_sets as split_eval_sets
 from slipstream.services.summary import resume_summary
 from slipstream.state import State, unwrap_model
 
@@ -67,9 +68,9 @@ class Trainer:
     either to keyword arguments, or metric objects (a torchmetrics ``Metric``); None:
     loss, accuracy and, with 5 classes or more, accuracy_top5.
     ``train_data``/``eval_data`` are any iterables of ``(inputs, targets)`` batches,
-    usually DataLoaders; a DataLoader whose sampler has ``set_epoch(epoch,
-    start_batch)`` (as Slipstream's own) gives an order that depends on the seed and
-    epoch alone and resumes mid-epoch exactly.
+    usually DataLoaders (``eval_data`` also a dict of evaluation sets by name); a
+    DataLoader whose sampler has ``set_epoch(epoch, start_batch)`` (as Slipstream's own)
+    gives an order that depends on the seed and epoch alone and resumes mid-epoch exactly.
 
     The run-level keywords are the fields of
     :class:`~slipstream.config.options.TrainerOptions` (the config's ``trainer``
@@ -120,6 +121,7 @@ class Trainer:
         process: Process | None = None,
         **settings: Any,
     ) -> None:
+        eval_data, eval_sets = split_eval_sets(eval_data)  # a mapping of names to loaders: several sets
         check_arguments(model, optimizer, train_data, eval_data, loss_fn)
         schedulers = checked_schedulers(schedulers, optimizer)
         self.options = o = _options(options, settings, max_duration=max_duration, run_dir=run_dir)
@@ -138,7 +140,7 @@ class Trainer:
         if note and self.verbose:
             print(f"slipstream: {note}", file=sys.stderr)
         loss_fn = loss_fn or nn.CrossEntropyLoss()
-        self.metrics = _metrics(metrics, o, model, loss_fn, config, eval_data, self.device, self.callbacks)
+        self.metrics = _metrics(metrics, o, model, loss_fn, config, eval_sets, self.device, self.callbacks)
         self.config = config or describe_run(model, optimizer, o, self.algorithms, self.callbacks, metrics)
         self.start = find_start(o, self.config, self.device, verbose=self.verbose)
         self.load_path, self.weights_only = self.start.path, self.start.weights_only
@@ -161,6 +163,7 @@ class Trainer:
             max_duration=self.max_duration,
             train_loader=train_data,
             eval_loader=eval_data,
+            eval_sets=eval_sets,
             device=self.device,
             loss_fn=loss_fn,
             schedulers=list(schedulers),
@@ -271,7 +274,7 @@ class Trainer:
             # The loaders' persistent workers end with the run (the next epoch of another
             # fit() starts new ones): left to the interpreter's exit, they kept an H100
             # run's process alive 40 s after its summary (Python 3.12, data.loaders).
-            stop_workers(state.train_loader, state.eval_loader)
+            stop_workers(state.train_loader, state.eval_loader, *state.eval_sets.values())
         self.summary = self.summary_writer.summary
         if self.verbose and state.stop_reason:
             print(f"slipstream: {state.stop_reason}", file=sys.stderr)
@@ -479,18 +482,21 @@ def _metrics(
     model: nn.Module,
     loss_fn: Any,
     config: dict[str, Any] | None,
-    eval_data: Any,
+    eval_sets: dict[str, Any],
     device: torch.device,
     callbacks: Sequence[Callback],
 ) -> Any:
     """The run's metrics (:func:`slipstream.plugins.metric.run_metrics`), checked against
-    what reads them before anything is written."""
-    return run_metrics(
+    what reads them before anything is written; ``best_metric`` as the eval records key
+    it (``val/accuracy`` of a first set ``val`` is ``accuracy``)."""
+    metrics = run_metrics(
         items, loss_fn=loss_fn, num_classes=_classes(model, config), device=device,
-        evaluates=o.eval_interval is not None and eval_data is not None, best_metric=o.best_metric,
+        evaluates=o.eval_interval is not None and bool(eval_sets), best_metric=o.best_metric,
         target_accuracy=o.target_accuracy, prefix="trainer." if config is not None else "",
-        monitors=_monitors(callbacks),
+        monitors=_monitors(callbacks), sets=list(eval_sets) or ["val"],
     )  # fmt: skip
+    o.best_metric = record_key(o.best_metric, list(eval_sets))
+    return metrics
 
 
 def _model_record(model: nn.Module) -> dict[str, Any]:

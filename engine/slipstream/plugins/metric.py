@@ -230,16 +230,41 @@ def check_applies(specs: Sequence[MetricSpec], task: str = "multiclass", num_cla
             raise ConfigError(f"{KEY}: {spec.name!r} needs at least {low} classes; the run has {num_classes}")
 
 
-def check_monitored(metric: str | None, specs: Sequence[MetricSpec], key: str = "trainer.best_metric") -> None:
+def split_set(metric: str) -> tuple[str | None, str]:
+    """``SET/METRIC`` as its set and metric; a bare metric's set is None (the first)."""
+    where, _, name = metric.rpartition("/")
+    return (where or None), name
+
+
+def record_key(metric: str | None, sets: Sequence[str] = ("val",)) -> str | None:
+    """The eval record's key for ``metric``: the first set's metrics are recorded under
+    their bare names (as before there were several sets), so ``val/accuracy`` of a first
+    set ``val`` is ``accuracy``; another set's keep their ``SET/`` prefix."""
+    if metric is None:
+        return None
+    where, name = split_set(metric)
+    return name if sets and where == sets[0] else metric
+
+
+def check_monitored(
+    metric: str | None, specs: Sequence[MetricSpec], key: str = "trainer.best_metric", sets: Sequence[str] = ("val",)
+) -> None:
     """``metric`` (what best.pt keeps, or a monitor) is one the evaluation records: a
-    metric's name, or ``name_key`` of one whose compute() returns a dict."""
+    metric's name, or ``name_key`` of one whose compute() returns a dict; ``SET/METRIC``
+    for one of the evaluation sets ``sets`` (a bare name: the first set's)."""
     if metric is None:
         return
+    given, (where, metric) = metric, split_set(metric)
+    if where is not None and where not in sets:
+        raise ConfigError(
+            f"{key}={given!r}: no evaluation set is named {where!r}{did_you_mean(where, list(sets))}; "
+            f"the sets evaluated: {', '.join(sets)} (data.eval_sets)"
+        )
     names = [s.name for s in specs if not s.to_file]
     if metric in names or any(metric.startswith(f"{n}_") for n in names):
         return
     raise ConfigError(
-        f"{key}={metric!r} is not evaluated{did_you_mean(metric, names)}; the evaluation records "
+        f"{key}={given!r} is not evaluated{did_you_mean(metric, names)}; the evaluation records "
         f"{', '.join(names)} ({KEY}), or set {key}=null"
     )
 
@@ -255,6 +280,7 @@ def run_metrics(
     target_accuracy: float | None,
     prefix: str = "",
     monitors: Mapping[str, str | None] | None = None,
+    sets: Sequence[str] = ("val",),
 ) -> MetricSet:
     """A run's metrics (``items``: ``evaluation.metrics``, a Trainer's ``metrics=``),
     built where the class count is known, and checked against what reads them: the
@@ -264,9 +290,9 @@ def run_metrics(
     specs = parse_metrics(items)
     metrics = MetricSet(specs, loss_fn=loss_fn, num_classes=num_classes, device=device)
     if evaluates:
-        check_monitored(best_metric, specs, f"{prefix}best_metric")
+        check_monitored(best_metric, specs, f"{prefix}best_metric", sets)
         for key, monitored in (monitors or {}).items():
-            check_monitored(monitored, specs, key)
+            check_monitored(monitored, specs, key, sets)
         if target_accuracy is not None and not any(s.name == "accuracy" for s in specs):
             raise ConfigError(
                 f"{prefix}target_accuracy is reached by eval accuracy, which {KEY} leaves out; add accuracy"
@@ -339,6 +365,7 @@ class MetricSet:
             self.build(num_classes, device)
 
     def higher_is_better(self, name: str) -> bool:
+        name = split_set(name)[1]  # another evaluation set's metric ranks as the first set's
         for spec in self.specs:
             if name == spec.name or name.startswith(f"{spec.name}_"):
                 return spec.higher_is_better

@@ -4,8 +4,9 @@ accuracy) over the eval data, reduced across ranks."""
 
 from __future__ import annotations
 
+import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ class Evaluator:
         self.metrics = metrics if metrics is not None else MetricSet(parse_metrics(None))
         self.write_tables = write_tables
         self.tables: dict[str, Any] = {}  # the file metrics' last values (a confusion matrix)
+        self._per_set: dict[str, MetricSet] = {}  # the metrics of each evaluation set after the first
 
     @hookimpl
     def fit_start(self, state: State) -> None:
@@ -101,11 +103,16 @@ class Evaluator:
         )
 
     def evaluate(self, state: State) -> dict[str, float]:
+        """Every evaluation set in turn (``state.eval_sets``; none: ``state.eval_loader``
+        as ``val``) between one ``eval_start`` and one ``eval_end``, so that a plugin's
+        weights (EMA's) are the ones each set measures. The first set's metrics keep their
+        bare names in ``state.eval_metrics``, another set's are ``SET/METRIC``."""
         if state.eval_loader is None:
             return {}
         started = time.perf_counter()
         model, hooks = state.model, self.hooks
-        saved = state.batch, state.outputs, state.loss
+        saved = state.batch, state.outputs, state.loss, state.eval_loader
+        sets = state.eval_sets or {"val": state.eval_loader}
         # Each module's own mode, not only the model's: a plugin may keep part of the
         # model in eval mode (frozen batch-norm statistics) for the whole run.
         modes = [(module, module.training) for module in model.modules()]
@@ -113,33 +120,58 @@ class Evaluator:
         state.training = False
         try:  # the training state comes back however the evaluation ends
             hooks.eval_start(state=state)
-            with torch.no_grad():
-                self._evaluate_batches(state)
-            reduce = _all_reduce if dist.is_available() and dist.is_initialized() else None
-            if reduce is not None and not self.metrics.eager:
-                _agree_on_classes(self.metrics, state)
-            count = self.metrics.reduce(reduce)
-            if not count:  # metrics of nothing would read as a loss of 0 and an accuracy of 0
-                raise ConfigError(self._nothing_to_evaluate(state))
-            self._samples = count
-            state.eval_metrics, self.tables = self.metrics.compute()
+            values: dict[str, float] = {}
+            self.tables = {}
+            for index, (name, loader) in enumerate(sets.items()):
+                state.eval_loader = loader
+                numbers, tables = self._evaluate_set(state, self._set_metrics(name, index), name if index else None)
+                prefix = f"{name}/" if index else ""
+                values.update({prefix + key: value for key, value in numbers.items()})
+                self.tables.update({(f"{key}-{name}" if index else key): t for key, t in tables.items()})
+            state.eval_metrics = values
             if self.tables and self.write_tables is not None:
                 self.write_tables(state, self.tables)
             hooks.eval_end(state=state)
         finally:
             _restore_modes(model, modes)
             state.training = True
-            state.batch, state.outputs, state.loss = saved
+            state.batch, state.outputs, state.loss, state.eval_loader = saved
         self._last_eval_batch = state.timestamp.batch
         _keep_best(state.summary, state.eval_metrics)
+        if len(sets) > 1:
+            keep_best_per_set(state.summary, state.eval_metrics, list(sets), self.metrics.higher_is_better)
         # Throughput in summary.json is training throughput: evaluation is set apart.
         state.summary["eval_time_s"] = (
             state.summary.get("eval_time_s", 0.0) + time.perf_counter() - started
         )
         return state.eval_metrics
 
-    def _evaluate_batches(self, state: State) -> None:
-        hooks, metrics = self.hooks, self.metrics
+    def _set_metrics(self, name: str, index: int) -> MetricSet:
+        """The metrics of evaluation set ``name``: the run's for the first, a copy of
+        them (their own states) for each other."""
+        if index == 0:
+            return self.metrics
+        if name not in self._per_set:
+            self._per_set[name] = copy.deepcopy(self.metrics)
+        return self._per_set[name]
+
+    def _evaluate_set(self, state: State, metrics: MetricSet, name: str | None) -> tuple[dict[str, float], dict]:
+        """One set's metrics and tables (``name``: None for the first set)."""
+        with torch.no_grad():
+            self._evaluate_batches(state, metrics)
+        reduce = _all_reduce if dist.is_available() and dist.is_initialized() else None
+        if reduce is not None and not metrics.eager:
+            _agree_on_classes(metrics, state)
+        count = metrics.reduce(reduce)
+        if not count:  # metrics of nothing would read as a loss of 0 and an accuracy of 0
+            message = self._nothing_to_evaluate(state) if name is None else f"evaluation set {name!r}: no samples"
+            raise ConfigError(message)
+        if name is None:
+            self._samples = count
+        return metrics.compute()
+
+    def _evaluate_batches(self, state: State, metrics: MetricSet) -> None:
+        hooks = self.hooks
         metrics.reset()
         # Samples of this rank that are not a distributed sampler's padding (it repeats
         # samples so that every rank gets as many): None, all of them.
@@ -199,6 +231,45 @@ def _keep_best(summary: dict[str, Any], metrics: dict[str, float]) -> None:
             summary[f"best_{key}"] = max(summary.get(f"best_{key}") or 0.0, metrics[key])
     if "accuracy_top5" in metrics:
         summary["accuracy_top5"] = metrics["accuracy_top5"]
+
+
+def keep_best_per_set(
+    summary: dict[str, Any], metrics: dict[str, float], sets: list[str], higher: Callable[[str], bool]
+) -> None:
+    """``summary["eval_sets"]``: each evaluation set's final metrics and the best of each
+    so far (by its plugin's direction), by set name, the first set's too."""
+    out = summary.setdefault("eval_sets", {})
+    for index, name in enumerate(sets):
+        prefix = f"{name}/" if index else ""
+        final = {
+            key[len(prefix) :]: value
+            for key, value in metrics.items()
+            if (key.startswith(prefix) if index else "/" not in key)
+        }
+        entry = out.setdefault(name, {"final": {}, "best": {}})
+        entry["final"] = final
+        for key, value in final.items():
+            old = entry["best"].get(key)
+            if value == value and (old is None or (value > old if higher(key) else value < old)):
+                entry["best"][key] = value
+
+
+def eval_sets(eval_data: Any) -> tuple[Any, dict[str, Any]]:
+    """A Trainer's ``eval_data`` as its first loader and every set by name: a mapping of
+    names to loaders is several evaluation sets, anything else one named ``val``."""
+    if eval_data is None:
+        return None, {}
+    if not isinstance(eval_data, Mapping):
+        return eval_data, {"val": eval_data}
+    if not eval_data:
+        raise ConfigError("eval_data: an empty mapping of evaluation sets; give at least one, or None")
+    for name in eval_data:
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ConfigError(
+                f"eval_data: evaluation set names are non-empty strings without '/' (SET/METRIC names "
+                f"a set's metric), got {name!r}"
+            )
+    return next(iter(eval_data.values())), dict(eval_data)
 
 
 def real_samples(loader: Any) -> int | None:
