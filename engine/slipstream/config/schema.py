@@ -28,7 +28,7 @@ from slipstream.config.options import (
     plain,
 )
 from slipstream.config.recipes import find_recipe
-from slipstream.data.sources import READ_BY_SOME, DataConfig, dataset_class, readers, reads
+from slipstream.data.sources import READ_BY_SOME, DataConfig, dataset_class, eval_set_configs, readers, reads
 from slipstream.duration import Duration
 from slipstream.errors import ConfigError, ConfigWarning, SlipstreamError, did_you_mean, omegaconf_problem
 
@@ -108,6 +108,22 @@ SECTIONS = {
 PLUGIN_SECTIONS = {"algorithms": "slipstream.algorithms", "callbacks": "slipstream.callbacks"}
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader refusing a key given twice in one mapping, which PyYAML keeps
+    the last of without a word (two evaluation sets of one name would be one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"found the key {key!r} twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A recipe as a plain dict, with its ``extends`` chain merged underneath it."""
     path = path.resolve()
@@ -115,7 +131,7 @@ def load_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]
         chain = " -> ".join(p.name for p in (*_seen, path))
         raise ConfigError(f"recipe {path} extends itself: {chain}")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"recipe {path} is not valid YAML: {_yaml_problem(exc)}") from None
     except OSError as exc:
@@ -278,12 +294,29 @@ def check_data(cfg: DictConfig) -> None:
 
     dataset = build_dataset_plugin(plain(cfg.data))
     geometries(cfg.data, type(dataset).photos)  # the crop and resize options, checked
+    check_eval_sets(cfg.data)
     check_task(type(dataset), cfg.data.name, cfg.loss.name)
     if cfg.data.repeats > 1 and type(dataset).streams:
         raise ConfigError(
             f"data.repeats={cfg.data.repeats} needs a map-style dataset: data.name={cfg.data.name} "
             "streams its samples, each once per epoch; use data.repeats=1"
         )
+
+
+def check_eval_sets(data: DictConfig) -> None:
+    """Each of ``data.eval_sets`` is a dataset description that builds (its plugin's keys,
+    its geometry): a bad one is named by its set."""
+    from slipstream.data.geometry import geometries
+    from slipstream.data.sources import build_dataset_plugin, eval_set_configs
+
+    if data.get("eval_sets") is None:
+        return
+    for name, described in eval_set_configs(data).items():
+        try:
+            dataset = build_dataset_plugin(dict(described))
+            geometries(described, type(dataset).photos)
+        except ConfigError as exc:
+            raise ConfigError(f"data.eval_sets.{name}: {exc}") from None
 
 
 def check_task(dataset: Any, name: str, loss: str) -> None:
@@ -665,11 +698,12 @@ def check_evaluation(cfg: DictConfig, options: TrainerOptions) -> None:
     check_applies(specs, "multiclass", known_num_classes(cfg))
     if options.eval_interval is None:
         return
-    check_monitored(options.best_metric, specs)
+    sets = list(eval_set_configs(cfg.data))  # SET/METRIC names one of them
+    check_monitored(options.best_metric, specs, sets=sets)
     for name, cls in _enabled_callbacks(cfg).items():
         option = cls.monitor_option
         if option is not None and option in (cfg.callbacks[name] or {}):
-            check_monitored(cfg.callbacks[name][option], specs, f"callbacks.{name}.{option}")
+            check_monitored(cfg.callbacks[name][option], specs, f"callbacks.{name}.{option}", sets)
     if options.target_accuracy is not None and not any(s.name == "accuracy" for s in specs):
         raise ConfigError("trainer.target_accuracy is reached by eval accuracy, which evaluation.metrics leaves out")
 

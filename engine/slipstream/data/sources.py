@@ -62,6 +62,10 @@ class DataConfig:
     # run's CUDA device; the workers read bytes and draw the crops) | auto (measured at
     # the start, docs/auto.md). slipstream.data.gpu_decode.
     decode: str = "cpu"
+    # Several evaluation sets, evaluated side by side (docs/metrics.md): a mapping of a
+    # name to the keys of this section that differ for that set ({val: {}, val_288:
+    # {eval_image_size: 288}}); null: one set named val, this section's.
+    eval_sets: Optional[dict[str, Any]] = None
 
 
 # DataConfig's keys that only some dataset plugins read: those whose config_class
@@ -152,6 +156,44 @@ def build_dataset_plugin(data: dict[str, Any], installed: dict[str, Any] | None 
     own = set(dataset_keys(cls))
     options = {k: _home(v) for k, v in data.items() if k in own or k not in engine_keys}
     return cls(dataset_config(cls, options))
+
+
+def eval_set_configs(data: Any) -> dict[str, dict[str, Any]]:
+    """Each evaluation set's dataset description, by name, in the config's order: the
+    ``data`` section (a mapping) with the set's own keys over it; without
+    ``data.eval_sets`` one set, ``val``, the section itself."""
+    data = dict(_plain(data))
+    sets = data.pop("eval_sets", None)
+    if sets is None:
+        return {"val": data}
+    if not isinstance(sets, dict) or not sets:
+        raise ConfigError(
+            "data.eval_sets maps each evaluation set's name to the data keys it changes, e.g. "
+            f"{{val: {{}}, val_288: {{eval_image_size: 288}}}}, or is null; got {sets!r}"
+        )
+    out = {}
+    for name, own in sets.items():
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ConfigError(
+                f"data.eval_sets: a set's name is a word without '/' (SET/METRIC names its metrics), got {name!r}"
+            )
+        own = {} if own is None else own
+        if not isinstance(own, dict) or "eval_sets" in own:
+            raise ConfigError(
+                f"data.eval_sets.{name} must be a mapping of data keys (name, root, eval_image_size, "
+                f"crop_pct, ...), got {own!r}"
+            )
+        out[name] = {**data, **own}
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """An OmegaConf node as plain Python (dicts and lists), anything else as it is."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        return value
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
 def _home(value: Any) -> Any:

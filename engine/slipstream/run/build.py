@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from slipstream.config.options import check_output_dir
 from slipstream.config.schema import RunSpec, to_dict
 from slipstream.data.geometry import geometries
 from slipstream.data.gpu_decode import choose_decode
-from slipstream.data.sources import DATASETS_GROUP, DataRequest, build_dataset_plugin
+from slipstream.data.sources import DATASETS_GROUP, DataRequest, build_dataset_plugin, eval_set_configs
 from slipstream.distributed import from_rank0
 from slipstream.errors import ConfigError, DataError
 from slipstream.models import build_loss, build_model
@@ -84,7 +85,7 @@ def build_trainer(
         optimizer=optimizer,
         loss_fn=loss_fn,
         train_data=data.train,
-        eval_data=data.eval,
+        eval_data=_eval_sets(cfg, process, data, registry.installed(DATASETS_GROUP)),
         algorithms=algorithms,
         callbacks=callbacks,
         metrics=resolved["evaluation"]["metrics"],
@@ -96,6 +97,35 @@ def build_trainer(
     if decode is not None:
         trainer.state.summary["decode"] = decode
     return trainer
+
+
+def _eval_sets(cfg: DictConfig, process: Any, data: Any, installed: Any) -> Any:
+    """The evaluation data: the dataset's own loader (one set, ``val``), or with
+    ``data.eval_sets`` each set's loader by name, in the config's order; a set described
+    as the ``data`` section evaluates that loader, another is built from its own
+    description (its dataset, eval geometry)."""
+    if cfg.data.get("eval_sets") is None:
+        return data.eval
+    base = {k: v for k, v in to_dict(cfg.data).items() if k != "eval_sets"}
+    sets = {}
+    for name, described in eval_set_configs(cfg.data).items():
+        if described == base:
+            sets[name] = data.eval
+            continue
+        dataset = build_dataset_plugin(dict(described), installed)
+        train_geometry, eval_geometry = geometries(described, type(dataset).photos, seed=cfg.trainer.seed)
+        own = SimpleNamespace(data=OmegaConf.create(described), trainer=cfg.trainer)
+        try:
+            built = _build_data(dataset, own, process, train_geometry, eval_geometry)  # type: ignore[arg-type]
+        except ConfigError as exc:
+            raise ConfigError(f"data.eval_sets.{name}: {exc}") from None
+        if built.num_classes != data.num_classes:
+            raise ConfigError(
+                f"data.eval_sets.{name} has {built.num_classes} classes, the training data {data.num_classes}: "
+                "an evaluation set is labelled as the model predicts"
+            )
+        sets[name] = built.eval
+    return sets
 
 
 def _build_data(dataset: Any, cfg: DictConfig, process: Any, train_geometry: Any, eval_geometry: Any) -> Any:
