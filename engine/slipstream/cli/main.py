@@ -11,7 +11,8 @@ slipstream data index URLS [URLS ...] -o FILE [--overwrite]
 slipstream recipes [--json]
 slipstream sweep --recipe R --trials N [--sweep-dir D] [--metric accuracy] [--direction maximize]
                  key=loguniform(a,b) key=uniform(a,b) key=int(a,b) key=choice(x,y) [key=value ...]
-slipstream eval --checkpoint PATH [--recipe R] [--ema | --weights W] [--metrics a,b] [--model M] [-o F] [key=value ...]
+slipstream eval --checkpoint PATH [--recipe R] [--ema | --weights W] [--metrics a,b] [--set NAME] [--model M]
+                [-o F] [key=value ...]
 slipstream export --checkpoint PATH --format torchscript|onnx|exported-program -o FILE [--ema] [key=value ...]
 slipstream average RUN_DIR --last N | --best N -o FILE [--overwrite]
 slipstream plot RUN_DIR [RUN_DIR ...] [-o runs.png]
@@ -239,6 +240,12 @@ def _add_eval(sub: Any) -> None:
         action=_Joined,
         help="comma-separated metrics (slipstream metrics; or package.module:Class), instead of the run's "
         "evaluation.metrics",
+    )
+    evaluate.add_argument(
+        "--set",
+        default=None,
+        metavar="NAME",
+        help="evaluate only this set of data.eval_sets (default: every set; a run without eval_sets has one, val)",
     )
     evaluate.add_argument("--output", "-o", default=None, help="the metrics JSON file")
     evaluate.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
@@ -708,6 +715,7 @@ def _eval(args: argparse.Namespace) -> int:
     output = args.output
     if output is None:
         name = "eval.json" if weights == "model" else f"eval-{weights}.json"
+        name = name if args.set is None else name.replace(".json", f"-{args.set}.json")
         output = _default_eval_output(checkpoint) / name
     metrics = evaluate_checkpoint(
         checkpoint,
@@ -715,6 +723,7 @@ def _eval(args: argparse.Namespace) -> int:
         overrides=_with_model(args),
         weights=weights,
         metrics=[m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None,
+        eval_set=args.set,
     )
     from slipstream.run.directory import strict_json
 

@@ -37,10 +37,12 @@ from optuna.distributions import (
 from optuna.trial import TrialState
 
 from slipstream.config.schema import build_config, build_run, known_num_classes, to_dict
+from slipstream.data.sources import eval_set_configs
 from slipstream.errors import ConfigError, did_you_mean
 from slipstream.hookspecs import hookimpl
 from slipstream.optim import OPTIMIZERS
 from slipstream.plugins.discovery import CALLBACKS_GROUP, discover, instantiate
+from slipstream.plugins.metric import record_key, split_set
 from slipstream.run.build import build_trainer
 from slipstream.run.directory import atomic_write_text
 from slipstream.state import State
@@ -212,9 +214,10 @@ def run_sweep(
     """Run (or continue) the sweep in ``sweep_dir`` until it holds ``trials``
     finished (completed or pruned) trials. ``enqueue`` lists parameter sets to try
     first (optuna's ``enqueue_trial``), for a sweep that must start from known values."""
-    if metric not in METRICS:
+    where, bare = split_set(metric)  # SET/METRIC: a metric of another evaluation set (data.eval_sets)
+    if bare not in METRICS:
         raise ConfigError(f"--metric {metric!r} is not an eval metric; use one of {', '.join(METRICS)}")
-    direction = direction or METRICS[metric]
+    direction = direction or METRICS[bare]
     if direction not in DIRECTIONS:
         raise ConfigError(f"--direction {direction!r}: use maximize or minimize")
     if trials < 1:
@@ -237,6 +240,10 @@ def run_sweep(
                 _check_trial_config(recipe, space.overrides({**lows, key: value}))
     if base.trainer.eval_interval is None:
         raise ConfigError("sweep: trials need evaluations to compare; set trainer.eval_interval (e.g. 1ep)")
+    sets = list(eval_set_configs(base.data))
+    if where is not None and where not in sets:
+        raise ConfigError(f"--metric {metric}: the trials evaluate no set {where!r}; their sets: {', '.join(sets)}")
+    metric = record_key(metric, sets) or metric  # the eval records' key: the first set's are bare
     classes = known_num_classes(base)
     if metric == "accuracy_top5" and classes is not None and classes < 5:
         raise ConfigError(

@@ -265,6 +265,21 @@ def check_classes(trained: Sequence[str] | None, data: Sequence[str] | None, che
     )
 
 
+def _choose_set(rebuilt: Rebuilt, name: str) -> Any:
+    """Leave only evaluation set ``name`` in the rebuilt run (its metrics then under bare
+    names); its geometry. An unknown name is a ConfigError listing the sets."""
+    from slipstream.data.geometry import geometries
+    from slipstream.data.sources import dataset_class, eval_set_configs
+
+    state = rebuilt.trainer.state
+    sets = state.eval_sets or {"val": state.eval_loader}
+    if name not in sets:
+        raise ConfigError(f"--set {name}: the run has no evaluation set of that name; its sets: {', '.join(sets)}")
+    state.eval_sets, state.eval_loader = {name: sets[name]}, sets[name]
+    described = eval_set_configs(rebuilt.trainer.config.get("data") or {})[name]
+    return geometries(described, dataset_class(str(described.get("name"))).photos)[1]
+
+
 def evaluate_checkpoint(
     checkpoint: str | Path,
     *,
@@ -273,8 +288,10 @@ def evaluate_checkpoint(
     weights: str = "model",
     output: str | Path | None = None,
     metrics: Sequence[Any] | None = None,
+    eval_set: str | None = None,
 ) -> dict[str, Any]:
-    """Evaluate ``checkpoint`` on its run's eval data (or what ``recipe`` and
+    """Evaluate ``checkpoint`` on its run's eval data (every set of ``data.eval_sets``,
+    another set's metrics as ``SET/METRIC``; ``eval_set``: that one alone) (or what ``recipe`` and
     ``overrides`` give: another set, ``data.eval_image_size``, ``data.crop_pct``) and
     return the metrics (``metrics``, or the run's ``evaluation.metrics``: by default
     loss, accuracy, accuracy_top5 with 5 classes or more) with what was evaluated; a
@@ -287,6 +304,9 @@ def evaluate_checkpoint(
         state = rebuilt.trainer.state
         if state.eval_loader is None:
             raise ConfigError("slipstream eval: the config gives no eval data")
+        geometry = rebuilt.eval_geometry
+        if eval_set is not None:
+            geometry = _choose_set(rebuilt, eval_set)
         check_classes(rebuilt.payload.get("classes"), dataset_classes(state.eval_loader), checkpoint)
         note_weights(rebuilt.payload, weights, checkpoint, "evaluating")
         try:
@@ -306,9 +326,12 @@ def evaluate_checkpoint(
         "batch": ts.get("batch"),
         "data": rebuilt.trainer.config.get("data", {}).get("name"),
         # The evaluation's geometry: its size and the centre crop's share of the shorter side.
-        "eval_image_size": rebuilt.eval_geometry.size,
-        "crop_pct": rebuilt.eval_geometry.crop_pct,
+        "eval_image_size": geometry.size,
+        "crop_pct": geometry.crop_pct,
     }
+    sets = list(rebuilt.trainer.state.eval_sets)
+    if eval_set is not None or len(sets) > 1:
+        result["sets"] = sets  # the first's metrics under bare names, another's as SET/METRIC
     if output is not None:
         atomic_write_text(output, strict_json(result, indent=2) + "\n")
     return result

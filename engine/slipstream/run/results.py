@@ -205,24 +205,31 @@ def build_figure(runs: Sequence[Run]) -> Figure:
     panel_axes = fig.subplots(2, 3).flatten()
     for ax, (title, ylabel, kind, getter, steps) in zip(panel_axes, _PANELS, strict=True):
         for i, run in enumerate(runs):
-            xs, ys = [], []
-            for record in run.train if kind == "train" else run.eval:
-                x, y = _number(record.get("elapsed_s")), getter(record)
-                if x is not None and y is not None:
-                    xs.append(x)
-                    ys.append(y)
-            if xs:
-                # Fixed colour per run so a run is the same colour in every panel,
-                # even when it has no data in some of them.
-                ax.plot(
-                    xs,
-                    ys,
-                    color=f"C{i % 10}",
-                    label=run.name,
-                    marker="o" if len(xs) < 30 else None,
-                    markersize=3,
-                    drawstyle="steps-post" if steps else "default",
-                )
+            # The eval panel draws each further evaluation set of a run too, dashed.
+            for n, prefix in enumerate(["", *(f"{s}/" for s in eval_set_names(run))] if kind == "eval" else [""]):
+                xs, ys = [], []
+                for record in run.train if kind == "train" else run.eval:
+                    if prefix:  # the set's metrics under their bare names, the record's time kept
+                        record = {**record, **{k[len(prefix) :]: v for k, v in record.items() if k.startswith(prefix)}}
+                    x, y = _number(record.get("elapsed_s")), getter(record)
+                    if x is not None and y is not None:
+                        xs.append(x)
+                        ys.append(y)
+                if xs:
+                    # Fixed colour per run so a run is the same colour in every panel,
+                    # even when it has no data in some of them.
+                    ax.plot(
+                        xs,
+                        ys,
+                        color=f"C{i % 10}",
+                        label=run.name + (f" {prefix[:-1]}" if prefix else ""),
+                        marker="o" if len(xs) < 30 else None,
+                        markersize=3,
+                        linestyle=("-", "--", ":", "-.")[n % 4],
+                        drawstyle="steps-post" if steps else "default",
+                    )
+        if kind == "eval" and any(eval_set_names(run) for run in runs):
+            ax.legend(fontsize="small")  # which line is which evaluation set
         if not ax.lines:
             ax.text(
                 0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="grey"
@@ -343,6 +350,31 @@ def time_to_accuracy(run: Run, target: float) -> float | None:
     return None
 
 
+def eval_set_names(run: Run) -> list[str]:
+    """The evaluation sets of ``run`` after the first (whose metrics have bare keys), in
+    the order its eval records give them: the prefixes of their ``SET/METRIC`` keys."""
+    names: dict[str, None] = {}
+    for record in run.eval:
+        for key in record:
+            if "/" in key:
+                names.setdefault(key.rpartition("/")[0], None)
+    return list(names)
+
+
+def _set_columns(run: Run) -> dict[str, float | None]:
+    """Each further evaluation set's final and best accuracy (%), as ``SET/final_accuracy_pct``
+    and ``SET/best_accuracy_pct``: summary.json's ``eval_sets``, else the eval records."""
+    out: dict[str, float | None] = {}
+    sets = (run.summary or {}).get("eval_sets") or {}
+    for name in eval_set_names(run):
+        found = [a for r in run.eval if (a := _number(r.get(f"{name}/accuracy"))) is not None]
+        final = _number(_dig(sets, name, "final", "accuracy")) if name in sets else (found[-1] if found else None)
+        best = max(found) if found else final
+        out[f"{name}/final_accuracy_pct"] = None if final is None else 100.0 * final
+        out[f"{name}/best_accuracy_pct"] = None if best is None else 100.0 * best
+    return out
+
+
 def _ratio(base: float | None, value: float | None) -> float | None:
     return base / value if base and value else None
 
@@ -388,6 +420,7 @@ def _row(run: Run) -> dict[str, Any]:
         "status": summary.get("status"),
         "path": str(run.path),
         "data": data_of(run),
+        **_set_columns(run),  # a run of several evaluation sets: each further set's accuracies
     }
 
 
@@ -462,15 +495,24 @@ def compare_runs(runs: Sequence[Run], target: float | None = None) -> str:
     rows = compare_runs_json(runs, target)
     pct = rows[0]["target_accuracy_pct"] if rows else None
     label = "-" if pct is None else f"{pct:.2f} %"
-    cells = [[header.format(target=label) for header, _, _ in _COLUMNS]]
+    columns = list(_COLUMNS)
+    # Each further evaluation set of any run: its final and best accuracy, after the first set's.
+    sets = list(dict.fromkeys(name for run in runs for name in eval_set_names(run)))
+    at = next(i for i, (_, key, _) in enumerate(columns) if key == "best_accuracy_pct") + 1
+    columns[at:at] = [
+        (f"{name} {which} %", f"{name}/{which}_accuracy_pct", lambda v: f"{v:.2f}")
+        for name in sets
+        for which in ("final", "best")
+    ]
+    cells = [[header.format(target=label) for header, _, _ in columns]]
     for row in rows:
-        cells.append([("-" if row[key] is None else fmt(row[key])) for _, key, fmt in _COLUMNS])
-    widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
+        cells.append([("-" if row.get(key) is None else fmt(row[key])) for _, key, fmt in columns])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
 
     def render(line: list[str]) -> str:
         parts = [
             text.ljust(w) if key in _LEFT_ALIGNED else text.rjust(w)
-            for text, w, (_, key, _) in zip(line, widths, _COLUMNS, strict=True)
+            for text, w, (_, key, _) in zip(line, widths, columns, strict=True)
         ]
         return "  ".join(parts).rstrip()
 
