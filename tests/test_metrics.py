@@ -72,6 +72,35 @@ def test_top5_and_the_multi_label_metrics_against_a_hand_computation():
     assert numbers["map"] == pytest.approx((1 + 1 + 0.5) / 3)
 
 
+def test_multi_hot_targets_choose_their_defaults_and_are_evaluated_with_bce():
+    from slipstream.models import build_loss
+    from slipstream.plugins.metric import data_task, task_best_metric
+
+    class Rows(torch.utils.data.Dataset):
+        task = "multilabel"
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(Rows(), [0]))
+    assert data_task(loader) == "multilabel" and data_task({"val": loader}) == "multilabel"
+    assert data_task(torch.utils.data.DataLoader([(0, 1)])) == "multiclass"
+    assert [s.name for s in parse_metrics(None, "multilabel")] == ["loss", "map", "f1_samples"]
+    assert [s.name for s in parse_metrics(None)] == ["loss", "accuracy", "accuracy_top5"]
+    assert task_best_metric("accuracy", "multilabel") == "map"
+    assert task_best_metric("accuracy", "multiclass") == "accuracy"
+    logits = torch.tensor([[2.0, -1.0, 3.0], [-2.0, 1.0, -1.0]])
+    targets = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    bce = F.binary_cross_entropy_with_logits(logits, targets).item()  # the mean over classes and samples
+    # The default cross-entropy and bce (which evaluates single-label targets as cross-entropy) alike.
+    for loss_fn in (None, torch.nn.CrossEntropyLoss(label_smoothing=0.1), build_loss("bce")):
+        metrics = MetricSet(parse_metrics(["loss"]), loss_fn=loss_fn, num_classes=3, task="multilabel")
+        metrics.update(logits, logits, targets, targets)
+        metrics.reduce(None)
+        assert metrics.compute()[0]["loss"] == pytest.approx(bce)
+    single = MetricSet(parse_metrics(["loss"]), loss_fn=build_loss("bce"), num_classes=3)
+    single.update(logits, logits, torch.tensor([2, 1]), torch.tensor([2, 1]))
+    single.reduce(None)
+    assert single.compute()[0]["loss"] == pytest.approx(F.cross_entropy(logits, torch.tensor([2, 1])).item())
+
+
 def test_the_listing_says_what_each_builtin_class_says():
     for name, summary in BUILTIN_SUMMARIES.items():
         assert metric_class(name).__doc__.strip().splitlines()[0] == summary

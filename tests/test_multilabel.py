@@ -4,6 +4,8 @@ engine, and dict batches taken apart by one mapping where a batch enters the loo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -109,18 +111,51 @@ def fit(tmp_path, probe: Probe, train_data, eval_data, num_classes: int = 4, **o
     return trainer, trainer.fit()
 
 
-def test_the_dataset_plugin_trains_with_bce_on_multi_hot_batches(tmp_path):
+def test_the_dataset_plugin_trains_with_bce_on_multi_hot_batches_and_evaluates_as_multi_label(tmp_path):
     plugin = build_dataset_plugin({"name": "synthetic_multilabel", "num_classes": 3, "train_size": 32, "val_size": 16})
     assert type(plugin).task == "multilabel"
-    built = plugin.build(DataRequest(image_size=16, batch_size=16, eval_batch_size=16))
-    seen = []
-    probe = Probe(before_forward=lambda s: seen.append(s.batch[1]))
+    built = plugin.build(DataRequest(image_size=16, batch_size=16, eval_batch_size=8))
+    seen, evaluated = [], []
+    probe = Probe(
+        before_forward=lambda s: seen.append(s.batch[1]),
+        eval_batch_end=lambda s: evaluated.append((s.outputs.detach().clone(), s.batch[1].clone())),
+    )
     trainer, summary = fit(
         tmp_path, probe, built.train, built.eval, num_classes=3, loss_fn=build_loss("bce"), normalize=built.stats
     )
-    assert [t.shape for t in seen] == [(16, 3)] * 2 and all(t.dtype == torch.float32 for t in seen)
+    assert [t.shape for t in seen[:2]] == [(16, 3)] * 2 and all(t.dtype == torch.float32 for t in seen)
     assert summary["status"] == "completed"
-    assert torch.isfinite(torch.tensor(trainer.state.eval_metrics["loss"]))
+    # The defaults of multi-hot targets; the loss is BCE with logits (the mean over classes, then
+    # over samples), not the softmax cross-entropy bce reports for single-label targets.
+    metrics = trainer.state.eval_metrics
+    assert {"loss", "map", "f1_samples"} <= set(metrics) and "accuracy" not in metrics
+    logits, targets = (torch.cat(parts) for parts in zip(*evaluated, strict=True))
+    assert len(logits) == 16
+    assert metrics["loss"] == pytest.approx(F.binary_cross_entropy_with_logits(logits, targets).item(), rel=1e-5)
+    assert metrics["loss"] != pytest.approx(F.cross_entropy(logits, targets).item(), rel=1e-3)
+
+
+def test_a_cli_run_records_the_multi_label_metrics_and_keeps_best_by_map(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    small = ["data.num_classes=3", "data.train_size=32", "data.val_size=16", "data.image_size=16",
+             "data.batch_size=8", "model.name=test_resnet", "trainer.max_duration=3ba"]  # fmt: skip
+    args = ["train", "data.name=synthetic_multilabel", "loss.name=bce", *small, "trainer.eval_interval=1ba",
+            "trainer.best_metric=map", "trainer.progress_bar=false",
+            f"trainer.run_dir={run_dir}"]  # fmt: skip
+    assert main(args) == 0
+    assert "does not measure" not in capsys.readouterr().err  # no warning left about the evaluation
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    evals = [r for r in map(json.loads, lines) if r["kind"] == "eval"]
+    assert len(evals) == 3 and all({"loss", "map", "f1_samples"} <= set(r) and "accuracy" not in r for r in evals)
+    assert all(0.3 < r["loss"] < 1.5 for r in evals)  # BCE of 3 sigmoids near chance (ln 2), not a softmax's
+    best = max(evals, key=lambda r: r["map"])
+    kept = torch.load(run_dir / "checkpoints" / "best.pt", map_location="cpu", weights_only=False)["best"]
+    assert kept["metric"] == "map" and kept["value"] == pytest.approx(best["map"]) and kept["step"] == best["step"]
+    # accuracy has no one true class here; mAP none in single-label targets: both refused by name.
+    assert main(["train", "data.name=synthetic_multilabel", "loss.name=bce", "evaluation.metrics=[accuracy]",
+                 f"trainer.run_dir={tmp_path / 'no'}"]) == 2  # fmt: skip
+    assert "'accuracy' applies to multiclass targets; this run's are multi-hot" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
 
 
 def test_the_softmax_cross_entropy_is_refused_for_multi_hot_targets_before_anything_is_written(tmp_path, capsys):

@@ -36,7 +36,7 @@ from slipstream.plugins.algorithm import Algorithm
 from slipstream.plugins.callback import Callback
 from slipstream.plugins.discovery import PluginInfo, config_as_dict
 from slipstream.plugins.dispatch import bind, bind_event, blame
-from slipstream.plugins.metric import record_key, run_metrics
+from slipstream.plugins.metric import data_task, record_key, run_metrics, task_best_metric
 from slipstream.plugins.registry import Registry
 from slipstream.plugins.variants import choose_run_variants
 from slipstream.run.assembly import assemble, check_hooks
@@ -489,11 +489,13 @@ def _metrics(
     """The run's metrics (:func:`slipstream.plugins.metric.run_metrics`), checked against
     what reads them before anything is written; ``best_metric`` as the eval records key
     it (``val/accuracy`` of a first set ``val`` is ``accuracy``)."""
+    task = data_task(eval_sets)
+    o.best_metric = task_best_metric(o.best_metric, task)
     metrics = run_metrics(
         items, loss_fn=loss_fn, num_classes=_classes(model, config), device=device,
         evaluates=o.eval_interval is not None and bool(eval_sets), best_metric=o.best_metric,
         target_accuracy=o.target_accuracy, prefix="trainer." if config is not None else "",
-        monitors=_monitors(callbacks), sets=list(eval_sets) or ["val"],
+        monitors=_monitors(callbacks), sets=list(eval_sets) or ["val"], task=task,
     )  # fmt: skip
     o.best_metric = record_key(o.best_metric, list(eval_sets))
     return metrics

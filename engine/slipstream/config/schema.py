@@ -331,15 +331,6 @@ def check_task(dataset: Any, name: str, loss: str) -> None:
             f"data.name={name} has multi-hot targets (several labels per image), which loss.name=cross_entropy "
             "(one class per image) does not take: use loss.name=bce (one sigmoid per class)"
         )
-    if task == "multilabel":
-        # Until the evaluation takes the dataset's task (its metrics, its loss), say what it measures.
-        warnings.warn(
-            f"data.name={name} has multi-hot targets, which the evaluation does not measure as such yet: "
-            "its loss is the cross-entropy against each target row and its accuracy whether the top logit "
-            "is the row's first present class; judge the run by its training loss",
-            ConfigWarning,
-            stacklevel=3,
-        )
 
 
 def parse_algorithm_list(text: str) -> tuple[list[str], list[str]]:
@@ -690,12 +681,13 @@ def check_evaluation(cfg: DictConfig, options: TrainerOptions) -> None:
     """``evaluation.metrics``: installed names or importable classes that apply to the
     run's targets and class count, and holding what ``best_metric`` and
     ``target_accuracy`` read (their values are checked again once built)."""
-    from slipstream.plugins.metric import check_applies, check_monitored, parse_metrics
+    from slipstream.plugins.metric import check_applies, check_monitored, parse_metrics, task_best_metric
 
     metrics = cfg.evaluation.metrics
-    specs = parse_metrics(OmegaConf.to_container(metrics) if metrics is not None else None)
-    # Class indices (or class probabilities): every dataset's targets until one declares multi-hot ones.
-    check_applies(specs, "multiclass", known_num_classes(cfg))
+    task = data_task(cfg)
+    options.best_metric = task_best_metric(options.best_metric, task)
+    specs = parse_metrics(OmegaConf.to_container(metrics) if metrics is not None else None, task)
+    check_applies(specs, task, known_num_classes(cfg))
     if options.eval_interval is None:
         return
     sets = list(eval_set_configs(cfg.data))  # SET/METRIC names one of them
@@ -812,6 +804,15 @@ def warn_no_ops(cfg: DictConfig) -> None:
                 ignored.append(f"callbacks.{name}.{option}=accuracy_top5 never stops the run: {classes} classes (< 5)")
     for message in ignored:
         warnings.warn(message, ConfigWarning, stacklevel=3)
+
+
+def data_task(cfg: DictConfig) -> str:
+    """The targets the dataset of ``cfg`` declares (``DatasetPlugin.task``): class
+    indices (``multiclass``) or multi-hot vectors (``multilabel``)."""
+    try:
+        return str(dataset_class(str(cfg.data.name)).task)
+    except ConfigError:
+        return "multiclass"  # not installed: validate() says so
 
 
 def known_num_classes(cfg: DictConfig) -> int | None:

@@ -35,8 +35,10 @@ METRICS_GROUP = "slipstream.metrics"
 # The run's targets: class indices or class probabilities (single-label); multi-hot
 # vectors (multi-label) once a dataset declares them.
 TASKS = ("multiclass", "multilabel")
-# evaluation.metrics: null evaluates these (accuracy_top5 with 5 classes or more).
+# evaluation.metrics: null evaluates these (accuracy_top5 with 5 classes or more);
+# a multi-label run's (no single true class to rank).
 DEFAULT_METRICS = ("loss", "accuracy", "accuracy_top5")
+MULTILABEL_DEFAULTS = ("loss", "map", "f1_samples")
 KEY = "evaluation.metrics"
 
 
@@ -163,12 +165,41 @@ def _is_metric(obj: Any) -> bool:
     return all(callable(getattr(obj, method, None)) for method in ("update", "compute", "reset"))
 
 
-def parse_metrics(items: Sequence[Any] | None) -> list[MetricSpec]:
+def default_metrics(task: str = "multiclass") -> tuple[str, ...]:
+    """What ``evaluation.metrics: null`` evaluates for the run's targets (``task``)."""
+    return MULTILABEL_DEFAULTS if task == "multilabel" else DEFAULT_METRICS
+
+
+def data_task(data: Any) -> str:
+    """The targets ``data`` (a loader, a dataset, or a mapping of either by set name)
+    carries: the ``task`` its dataset declares, found through the wrappers' ``.dataset``
+    (a loader's, a crop's); ``multiclass`` where none declares one."""
+    if isinstance(data, Mapping):
+        data = next(iter(data.values()), None)
+    for _ in range(5):  # a loader, a crop or subset, the dataset: a few levels at most
+        task = getattr(data, "task", None)
+        if isinstance(task, str):
+            return task
+        data = getattr(data, "dataset", None)
+        if data is None:
+            break
+    return "multiclass"
+
+
+def task_best_metric(metric: str | None, task: str) -> str | None:
+    """What best.pt keeps in a run of ``task``: ``trainer.best_metric``, its default
+    ``accuracy`` read as ``map`` in a multi-label run, which evaluates no accuracy."""
+    return "map" if task == "multilabel" and metric == "accuracy" else metric
+
+
+def parse_metrics(items: Sequence[Any] | None, task: str = "multiclass") -> list[MetricSpec]:
     """``evaluation.metrics`` (or a Trainer's ``metrics=``) as specs: each item an
     installed name, an import path, a one-key mapping of either to its keyword
-    arguments, or (in Python) a metric class or instance. None: the defaults."""
+    arguments, or (in Python) a metric class or instance. None: the defaults of the
+    run's ``task`` (:func:`default_metrics`)."""
     if items is None:
-        return [MetricSpec(n, n, metric_class(n), optional=n == "accuracy_top5") for n in DEFAULT_METRICS]
+        names = default_metrics(task)
+        return [MetricSpec(n, n, metric_class(n), optional=n == "accuracy_top5") for n in names]
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
         raise ConfigError(f"{KEY} must be a list of metric names, e.g. [accuracy, f1_macro], got {items!r}")
     specs: list[MetricSpec] = []
@@ -281,14 +312,15 @@ def run_metrics(
     prefix: str = "",
     monitors: Mapping[str, str | None] | None = None,
     sets: Sequence[str] = ("val",),
+    task: str = "multiclass",
 ) -> MetricSet:
     """A run's metrics (``items``: ``evaluation.metrics``, a Trainer's ``metrics=``),
     built where the class count is known, and checked against what reads them: the
     metric ``best_metric`` keeps, those callbacks monitor (``monitors``: option key to
     metric, e.g. ``callbacks.early_stopping.monitor``), and ``accuracy`` for
     ``target_accuracy``."""
-    specs = parse_metrics(items)
-    metrics = MetricSet(specs, loss_fn=loss_fn, num_classes=num_classes, device=device)
+    specs = parse_metrics(items, task)  # task: the targets' (data_task), for defaults and refusals
+    metrics = MetricSet(specs, loss_fn=loss_fn, task=task, num_classes=num_classes, device=device)
     if evaluates:
         check_monitored(best_metric, specs, f"{prefix}best_metric", sets)
         for key, monitored in (monitors or {}).items():
@@ -395,6 +427,8 @@ class MetricSet:
             kwargs["num_classes"] = num_classes
         if "loss_fn" not in kwargs and _accepts(spec.cls, "loss_fn"):
             kwargs["loss_fn"] = self.loss_fn
+        if "task" not in kwargs and _accepts(spec.cls, "task"):
+            kwargs["task"] = self.task  # the loss: BCE of multi-hot targets
         try:
             return spec.cls(**kwargs)
         except (TypeError, ValueError) as exc:
@@ -408,10 +442,10 @@ class MetricSet:
 
     def update(self, outputs: Any, logits: torch.Tensor, targets: torch.Tensor, indices: torch.Tensor) -> None:
         """One batch: raw metrics get what the model returned and the targets as they
-        came, the others the logits and the targets as class indices (multi-hot vectors
-        as they are, in a multi-label run)."""
+        came, the others the logits and the targets as class indices (multi-hot 0/1
+        integer vectors, in a multi-label run)."""
         if self.task == "multilabel":
-            indices = targets
+            indices = (targets > 0.5).long()  # torchmetrics' multi-label metrics take 0/1 integers
         for (_, metric), raw in zip(self.metrics, self._raw, strict=True):
             if raw:
                 metric.update(outputs, targets)

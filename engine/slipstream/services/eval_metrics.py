@@ -69,8 +69,13 @@ def logits_of(outputs: Any) -> torch.Tensor:
     return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
 
 
-def eval_loss(loss_fn: Any, outputs: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The summed loss of one evaluation batch. With the default ``CrossEntropyLoss``
+def eval_loss(
+    loss_fn: Any, outputs: Any, logits: torch.Tensor, targets: torch.Tensor, task: str = "multiclass"
+) -> torch.Tensor:
+    """The summed loss of one evaluation batch. Of multi-hot targets (``task`` multilabel)
+    it is binary cross-entropy with logits, the mean over classes summed over samples,
+    whatever the built-in loss (the softmax cross-entropy would take a row for one class's
+    probabilities). With the default ``CrossEntropyLoss``
     (any options) it is plain cross-entropy of the ``logits``, as timm and Composer report
     it: label smoothing is a training device, not what the model's predictions are worth.
     So is it for a loss that says ``evaluated_as_cross_entropy`` (``loss.name=bce``: timm
@@ -82,6 +87,9 @@ def eval_loss(loss_fn: Any, outputs: Any, logits: torch.Tensor, targets: torch.T
         or isinstance(loss_fn, torch.nn.CrossEntropyLoss)
         or getattr(loss_fn, "evaluated_as_cross_entropy", False)
     ):
+        if task == "multilabel":
+            bce = F.binary_cross_entropy_with_logits(logits.float(), targets.float(), reduction="none")
+            return bce.mean(dim=1).sum()
         return F.cross_entropy(logits.float(), targets, reduction="sum")
     value = loss_fn(outputs, targets)
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
@@ -99,13 +107,13 @@ class Loss(SumMetric):
     higher_is_better = False
     raw = True  # what the model returned, and the targets as they came (class probabilities too)
 
-    def __init__(self, loss_fn: Any = None) -> None:
+    def __init__(self, loss_fn: Any = None, task: str = "multiclass") -> None:
         super().__init__()
-        self.loss_fn = loss_fn
+        self.loss_fn, self.task = loss_fn, task
 
     def update(self, outputs: Any, targets: torch.Tensor) -> None:
         logits = logits_of(outputs)
-        self.add(eval_loss(self.loss_fn, outputs, logits, targets), len(logits))
+        self.add(eval_loss(self.loss_fn, outputs, logits, targets, self.task), len(logits))
 
 
 class Accuracy(SumMetric):
