@@ -206,3 +206,63 @@ def test_keep_best_keeps_the_best_and_best_n_averages_them(tmp_path, capsys):
     assert main(["average", str(off), "--best", "3", "-o", str(tmp_path / "b.pt")]) == 2
     errors = error_lines(capsys.readouterr().err)
     assert len(errors) == 1 and "holds 2 checkpoint" in errors[0] and "trainer.keep_best=3" in errors[0], errors
+
+
+class Hits:
+    """A metric of one's own, higher better, that no table of the engine names: its
+    values come from ScriptedMetric."""
+
+    name = "hits"
+    higher_is_better = True
+
+    def update(self, outputs, targets):
+        pass
+
+    def compute(self):
+        return 0.0
+
+    def reset(self):
+        pass
+
+
+class ScriptedMetric(ScriptedLoss):
+    name = "scripted_hits"
+
+    @hookimpl
+    def eval_end(self, state):
+        state.eval_metrics["hits"] = self.values.pop(0)
+
+
+def test_best_n_ranks_by_any_metric_in_its_direction(tmp_path, capsys):
+    from slipstream.run.average import ranking
+
+    data, _ = tiny_loaders(n=16)
+    model = tiny_model()
+    trainer = Trainer(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), train_data=data, eval_data=data,
+        max_duration="4ep", algorithms=[ScriptedMetric([0.5, 0.9, 0.7, 0.8])], metrics=["loss", Hits],
+        run_dir=tmp_path / "run", device="cpu", checkpoint_keep=1, keep_best=2, best_metric="hits",
+        progress_bar=False, verbose=False,
+    )  # fmt: skip
+    trainer.fit()
+    run = trainer.run_dir
+    # Higher is better: the best are steps 2 and 4 (0.9, 0.8), where loss's direction would keep 1 and 3.
+    assert held(run) == ["ep2-ba2.pt", "ep4-ba4.pt"]
+    ranked_by = load_checkpoint(run / "checkpoints" / "ep2-ba2.pt")["ranked_by"]
+    assert ranked_by == {"metric": "hits", "higher_is_better": True}
+    out = tmp_path / "best.pt"
+    assert main(["average", str(run), "--best", "2", "-o", str(out)]) == 0
+    record = load_checkpoint(out)["averaged"]
+    assert record["metric"] == "hits" and [(s["step"], s["value"]) for s in record["sources"]] == [(2, 0.9), (4, 0.8)]
+    # A checkpoint from before "ranked_by": the direction its metric plugin declares, or one line.
+    old = {"config": {"trainer": {"best_metric": "hits"}, "evaluation": {"metrics": ["loss", "test_average:Hits"]}}}
+    assert ranking(old) == ("hits", True)
+    assert ranking({"config": {"trainer": {"best_metric": "hits"}, "evaluation": {"metrics": None}}}) == ("hits", None)
+    for path in (run / "checkpoints").glob("*.pt"):
+        payload = load_checkpoint(path)
+        del payload["ranked_by"]
+        save_checkpoint(payload, path)
+    capsys.readouterr()
+    assert main(["average", str(run), "--best", "2", "-o", str(tmp_path / "b.pt")]) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "trainer.best_metric=hits" in line and "whether higher is better" in line and "--last" in line

@@ -2,9 +2,10 @@
 
 The weights of several checkpoints of one run are averaged into one checkpoint (as
 timm's ``avg_checkpoints.py``): the ``N`` most recent (``--last``), or the ``N`` best by
-the run's ``trainer.best_metric`` (``--best``). Floating-point tensors are summed in
-float64 and the mean cast back to their dtype; integer buffers (BatchNorm's
-``num_batches_tracked``) are the most recent checkpoint's. Every set of weights the
+the run's ``trainer.best_metric`` (``--best``), any evaluated metric, in the direction
+its checkpoints record (``"ranked_by"``) or its metric plugin's ``higher_is_better``.
+Floating-point tensors are summed in float64 and the mean cast back to their dtype;
+integer buffers (BatchNorm's ``num_batches_tracked``) are the most recent checkpoint's. Every set of weights the
 checkpoints hold is averaged: the model's and each one a plugin keeps (``ema``), so the
 file is evaluated and exported with ``--ema`` as its sources are.
 
@@ -41,7 +42,7 @@ MODES = ("last", "best")
 # A checkpoint file of the run-directory contract: -o never names one.
 _RUN_CHECKPOINT = re.compile(r"ep\d+-ba\d+\.pt")
 # What a run needs to continue, and an averaged file has no use for.
-_TRAINING_ONLY = ("optimizer_class", "rng", "train_losses", "best", "eval")
+_TRAINING_ONLY = ("optimizer_class", "rng", "train_losses", "best", "eval", "ranked_by")
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,31 @@ def _recent(found: list[tuple[Source, dict[str, Any]]], keep: Any) -> list[tuple
     return [(s, p) for s, p in found if s.step >= start]
 
 
+def ranking(payload: Mapping[str, Any]) -> tuple[str | None, bool | None]:
+    """The metric that ranks a run's checkpoints (its eval records' key) and whether
+    higher is better (None: not known): what the checkpoint records under
+    ``"ranked_by"``, else (a checkpoint written before it did) the run's
+    ``trainer.best_metric`` and the direction its metric plugin declares."""
+    ranked = payload.get("ranked_by")
+    if isinstance(ranked, Mapping) and isinstance(ranked.get("metric"), str):
+        if isinstance(ranked.get("higher_is_better"), bool):
+            return ranked["metric"], ranked["higher_is_better"]
+    config = payload.get("config") or {}
+    metric = (config.get("trainer") or {}).get("best_metric")
+    if not isinstance(metric, str):
+        return None, None
+    if metric in BEST_METRICS:
+        return metric, BEST_METRICS[metric]
+    from slipstream.plugins.metric import parse_metrics  # imports the metric plugins: only here
+
+    try:
+        specs = parse_metrics((config.get("evaluation") or {}).get("metrics"))
+    except ConfigError:  # a plugin no longer installed
+        return metric, None
+    named = [s for s in specs if metric == s.name or metric.startswith(f"{s.name}_")]
+    return metric, (named[0].higher_is_better if named else None)
+
+
 def _value(payload: Mapping[str, Any], step: int, metric: str, logged: Mapping[int, float]) -> float | None:
     """``metric`` at the checkpoint's step: its own eval record, best.pt's, the log's."""
     evaluated = payload.get("eval")
@@ -229,14 +255,18 @@ def choose_sources(run_dir: str | Path, mode: str, count: int) -> tuple[list[Sou
     if not found:
         raise CheckpointError(f"no checkpoints in {run.checkpoints}: give the directory of a run that wrote some")
     newest = found[-1][1]
-    metric = ((newest.get("config") or {}).get("trainer") or {}).get("best_metric")
-    if mode == "best" and metric not in BEST_METRICS:
-        why = "no metric ranks its checkpoints" if metric is None else f"--best ranks by {', '.join(BEST_METRICS)}"
+    metric, higher = ranking(newest)
+    if mode == "best" and higher is None:
+        why = (
+            "no metric ranks its checkpoints"
+            if metric is None
+            else "neither its checkpoints nor an installed metric plugin say whether higher is better"
+        )
         raise ConfigError(
             f"--best: the run in {run_dir} has trainer.best_metric={metric}: {why}; average the most "
             "recent checkpoints with --last"
         )
-    if metric in BEST_METRICS:  # each source's value, recorded with --last too
+    if metric is not None and higher is not None:  # each source's value, recorded with --last too
         logged = evaluated_values(run, metric)
         found = [(Source(s.path, s.step, s.epoch, _value(p, s.step, metric, logged)), p) for s, p in found]
     else:
@@ -251,7 +281,7 @@ def choose_sources(run_dir: str | Path, mode: str, count: int) -> tuple[list[Sou
         scored = [(s, p) for s, p in found if s.value is not None]
         if len(scored) < count:
             raise CheckpointError(_too_few(run_dir, mode, count, [s for s, _ in scored], newest))
-        sign = 1.0 if BEST_METRICS[metric] else -1.0
+        sign = 1.0 if higher else -1.0
         ranked = sorted(scored, key=lambda item: (sign * item[0].value, item[0].step))  # the best last
         chosen = sorted(ranked[len(ranked) - count :], key=lambda item: item[0].step)
     return [s for s, _ in chosen], [p for _, p in chosen], metric

@@ -4,7 +4,8 @@ Files go to ``RUN_DIR/checkpoints/ep{E}-ba{B}.pt``; the newest is also
 ``latest.pt``. ``best.pt`` is written at each evaluation that improves the
 monitored metric (``best_metric``: any evaluated metric, better as its plugin's
 ``higher_is_better`` says: eval ``accuracy`` higher, eval ``loss`` lower) and records
-it under ``"best"`` (metric, value, step, epoch). A checkpoint written after an evaluation of its step holds that
+it under ``"best"`` (metric, value, step, epoch); every checkpoint names that metric and its
+direction under ``"ranked_by"``. A checkpoint written after an evaluation of its step holds that
 evaluation's metrics under ``"eval"`` (step, epoch, loss, accuracy, ...). The last
 ``keep`` interval checkpoints are kept, and with ``keep_best`` also the ``keep_best``
 best by ``best_metric`` among those evaluated at their step (what
@@ -207,6 +208,10 @@ class Checkpointer:
                 return None
         if not self.write:
             return payload
+        if self.best_metric is not None:
+            # The metric's direction travels with each checkpoint: `slipstream average
+            # --best` ranks by any metric without its plugin at hand.
+            payload = {**payload, "ranked_by": {"metric": self.best_metric, "higher_is_better": self.best_higher}}
         if self._evaluated is not None and self._evaluated["step"] == ts.batch:
             payload = {**payload, "eval": self._evaluated}
         bad = [] if sharded else nonfinite_tensors(payload["model"])
