@@ -295,7 +295,7 @@ class Trainer:
             # The records before the checkpoint are in the log of the run that wrote it.
             where = written_in(self.load_path)
             if where is not None:
-                resume_summary(state, where.metrics, self.target)
+                resume_summary(state, where.metrics, self.target, self.metrics.higher_is_better)
         if not state.is_done():
             return None
         # Resumed at its end (a requeued job that had finished), or fit() again: nothing

@@ -158,9 +158,12 @@ CARRIED_RATES = (
 )
 
 
-def resume_summary(state: State, metrics: Path, target: TargetAccuracy | None = None) -> None:
+def resume_summary(
+    state: State, metrics: Path, target: TargetAccuracy | None = None, higher: Callable[[str], bool] | None = None
+) -> None:
     """Make a resumed run's summary describe the whole run, as its metrics log does:
-    the best accuracies and the time the target was reached are taken from the eval
+    the best accuracies (of every evaluation set, each metric in its direction,
+    ``higher``) and the time the target was reached are taken from the eval
     records of ``metrics`` up to the checkpoint's step (what the log keeps on resume),
     and an evaluation at the checkpoint's step is the run's latest (``eval_metrics``)."""
     step = state.timestamp.batch
@@ -169,6 +172,12 @@ def resume_summary(state: State, metrics: Path, target: TargetAccuracy | None = 
     if evals and evals[-1]["step"] == step:
         last = {k: v for k, v in evals[-1].items() if k not in RECORD_KEYS}
         state.eval_metrics = {k: float(v) for k, v in last.items() if _num(v) is not None}
+    if len(state.eval_sets) > 1:
+        from slipstream.services.evaluation import keep_best_per_set
+
+        for record in evals:
+            values = {k: float(v) for k, v in record.items() if k not in RECORD_KEYS and _num(v) is not None}
+            keep_best_per_set(state.summary, values, list(state.eval_sets), higher or (lambda key: True))
     for key, best_key in (("accuracy", "best_accuracy"), ("accuracy_top5", "best_accuracy_top5")):
         values = [v for r in evals if (v := _num(r.get(key))) is not None]
         if values:
