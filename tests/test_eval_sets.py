@@ -110,6 +110,24 @@ def test_python_sets_by_name_and_a_set_not_evaluated(tmp_path):
     assert best["metric"] == "accuracy" and best["value"] == max(r["accuracy"] for r in records)
 
 
+def test_a_resume_keeps_each_sets_best_of_the_whole_run(tmp_path):
+    from slipstream.services.summary import resume_summary
+    from slipstream.state import State
+
+    log = tmp_path / "metrics.jsonl"
+    records = [(1, 0.9, 0.5, 0.2), (2, 1.2, 0.4, 0.1), (3, 1.1, 0.45, 0.3)]  # step, loss, accuracy, b/accuracy
+    log.write_text("".join(
+        json.dumps({"kind": "eval", "step": s, "loss": lo, "accuracy": a, "b/loss": lo, "b/accuracy": b})
+        + "\n" for s, lo, a, b in records
+    ))  # fmt: skip
+    state = State(model=torch.nn.Linear(1, 1), optimizer=None, max_duration=None, eval_sets={"a": [], "b": []})
+    state.timestamp.batch = 3
+    resume_summary(state, log, higher=lambda key: not key.endswith("loss"))
+    sets = state.summary["eval_sets"]
+    assert sets["a"]["best"] == {"loss": 0.9, "accuracy": 0.5} and sets["b"]["best"] == {"loss": 0.9, "accuracy": 0.3}
+    assert sets["a"]["final"] == {"loss": 1.1, "accuracy": 0.45}
+
+
 def test_a_run_of_one_set_reads_as_before_beside_one_of_two(tmp_path):
     """An old run directory (records with bare keys, no eval_sets in the summary) compares
     and plots as before beside a run of two sets, whose further set gets its columns."""
