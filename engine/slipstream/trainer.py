@@ -84,7 +84,7 @@ class Trainer:
     summary; with ``stop_at_target`` the run ends there with status
     ``target_reached``. ``peak_tflops`` (a number, or a mapping of fp32/bf16/fp16 to
     numbers) is the device's peak for MFU; by default it is probed once per machine.
-    ``best_metric`` (``"accuracy"``, ``"loss"`` or None) is the eval metric whose
+    ``best_metric`` (``"accuracy"``, ``"loss"``, ``"SET/accuracy"`` or None) is the eval metric whose
     best value ``checkpoints/best.pt`` keeps.
 
     ``schedulers`` (torch LR schedulers on ``optimizer``) are stepped at the end of

@@ -23,6 +23,7 @@ from slipstream.models import build_loss, build_model
 from slipstream.optim import build_optimizer
 from slipstream.plugins.base import Plugin
 from slipstream.plugins.discovery import CALLBACKS_GROUP, PluginInfo
+from slipstream.plugins.metric import record_key
 from slipstream.plugins.registry import Registry
 from slipstream.run.directory import new_run_dir
 from slipstream.run.process import set_up_process
@@ -73,6 +74,8 @@ def build_trainer(
     model, optimizer, loss_fn = _build_model(cfg, data.num_classes, process.device)
     resolved = to_dict(cfg)
     resolved["model"]["num_classes"] = data.num_classes
+    # As the eval records key it (val/accuracy of a first set val is accuracy): what average --best reads.
+    resolved["trainer"]["best_metric"] = record_key(cfg.trainer.best_metric, list(eval_set_configs(cfg.data)))
     resolved["data"].update(
         train_crop=train_geometry.crop,
         hflip=train_geometry.hflip,
