@@ -236,3 +236,36 @@ def test_the_pruner_compares_trials_after_the_same_number_of_samples():
                                 time_in=lambda unit: 1.0)
         hook.eval_end(state)
     assert reported == [256, 256]
+
+
+class Errors:
+    """A metric of one's own, lower better: the share of wrong predictions."""
+
+    name = "errors"
+    higher_is_better = False
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.wrong, self.count = 0, 0
+
+    def update(self, logits, targets):
+        self.wrong += int((logits.argmax(1) != targets).sum())
+        self.count += len(targets)
+
+    def compute(self):
+        return self.wrong / max(self.count, 1)
+
+
+def test_any_evaluated_metric_is_swept_in_its_plugins_direction(tmp_path):
+    path = tmp_path / "own.yaml"
+    own = "evaluation: {metrics: [loss, 'test_sweep:Errors']}\ntrainer: {best_metric: errors, "
+    path.write_text(TINY.replace("trainer: {", own))
+    told = r"^--metric 'accuracy' is not evaluated by the trials; they evaluate loss, errors \(evaluation.metrics\)$"
+    with pytest.raises(ConfigError, match=told):
+        sweep(path, 1, LR)
+    assert not (tmp_path / "sweep").exists()
+    result = sweep(path, 1, LR, "trainer.max_duration=1ep", "data.train_size=16", metric="errors")
+    assert result.study.direction == optuna.study.StudyDirection.MINIMIZE
+    assert 0.0 <= result.rows[0]["errors"] <= 1.0

@@ -8,24 +8,28 @@ from typing import Any, Optional
 from slipstream import Callback, State, check_plugin_options, hookimpl, plugin_option
 
 STATUS = "stopped_early"
-# The metrics of an eval record it may watch, and the direction each improves in.
+# The engine's default metrics and the direction each improves in; any other evaluated
+# metric improves as its plugin's higher_is_better says (the engine hands it over).
 MODES = {"accuracy": "max", "accuracy_top5": "max", "loss": "min"}
 
 
 @dataclass
 class EarlyStoppingConfig:
-    monitor: str = plugin_option("accuracy", choices=MODES, note="of the eval records")
+    # any evaluated metric of the eval records (the engine refuses one not evaluated)
+    monitor: str = "accuracy"
     # evaluations without improvement before the run stops
     patience: int = plugin_option(3, low=1, whole=True, note="evaluations")
     # an improvement smaller than this does not count
     min_delta: float = plugin_option(0.0, low=0)
-    # None: max for accuracy, min for loss
+    # None: the metric's direction (max for accuracy, min for loss, its plugin's otherwise)
     mode: Optional[str] = plugin_option(None, choices=("max", "min"), note="or null")
 
     def __post_init__(self) -> None:
         check_plugin_options(self)
+        if not isinstance(self.monitor, str) or not self.monitor:
+            raise ValueError(f"monitor must name an evaluated metric (accuracy, loss, ...), got {self.monitor!r}")
         if self.mode is None:
-            self.mode = MODES[self.monitor]
+            self.mode = MODES.get(self.monitor.rpartition("/")[2])  # another's: set by monitor_higher
 
 
 def improved(value: float, best: float | None, mode: str, min_delta: float) -> bool:
@@ -40,7 +44,7 @@ def improved(value: float, best: float | None, mode: str, min_delta: float) -> b
 
 
 class EarlyStopping(Callback):
-    """Stop the run (status stopped_early) when eval accuracy or loss stops improving."""
+    """Stop the run (status stopped_early) when an eval metric (accuracy, loss, ...) stops improving."""
 
     name = "early_stopping"
     config_class = EarlyStoppingConfig
@@ -61,7 +65,8 @@ class EarlyStopping(Callback):
         value = state.eval_metrics.get(cfg.monitor)
         if value is None:
             return
-        if value == value and improved(value, self.best, cfg.mode, cfg.min_delta):  # NaN never improves
+        mode = cfg.mode or ("min" if self.monitor_higher is False else "max")
+        if value == value and improved(value, self.best, mode, cfg.min_delta):  # NaN never improves
             self.best, self.best_step, self.waited = value, state.timestamp.batch, 0
             return
         self.waited += 1

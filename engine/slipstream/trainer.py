@@ -498,6 +498,10 @@ def _metrics(
         monitors=_monitors(callbacks), sets=list(eval_sets) or ["val"], task=task,
     )  # fmt: skip
     o.best_metric = record_key(o.best_metric, list(eval_sets))
+    for callback in callbacks:  # a monitor improves as its metric's plugin says (higher_is_better)
+        monitored = getattr(callback.config, callback.monitor_option or "", None)
+        if isinstance(monitored, str):
+            callback.monitor_higher = metrics.higher_is_better(monitored)
     return metrics
 
 

@@ -7,7 +7,7 @@ import pytest
 from slipstream_early_stopping import EarlyStopping, EarlyStoppingConfig, improved
 
 from helpers import train
-from slipstream import Algorithm, hookimpl, load_checkpoint
+from slipstream import Algorithm, ConfigError, hookimpl, load_checkpoint
 from slipstream.cli.main import exit_code
 
 
@@ -79,3 +79,40 @@ def test_improved_and_config_checks():
         EarlyStoppingConfig(patience=0)
     with pytest.raises(ValueError, match="mode must be one of max, min"):
         EarlyStoppingConfig(mode="up")
+
+
+class Errors:
+    """A metric of one's own, lower better (its values scripted by ScriptedEval)."""
+
+    name = "errors"
+    higher_is_better = False
+
+    def update(self, outputs, targets):
+        pass
+
+    def compute(self):
+        return 0.0
+
+    def reset(self):
+        pass
+
+
+def test_any_evaluated_metric_is_monitored_in_its_plugins_direction(tmp_path):
+    falling = [0.9 - 0.1 * i for i in range(8)]  # better every time, as errors (lower is better)
+    config = EarlyStoppingConfig(monitor="errors", patience=2)
+    assert config.mode is None  # not one of the engine's: the direction comes with the run's metric
+    stopper = EarlyStopping(config)
+    trainer = train(
+        tmp_path / "a", [ScriptedEval(falling, "errors")], callbacks=[stopper], max_duration="1ep",
+        eval_interval="1ba", metrics=["loss", Errors], best_metric="errors",
+    )  # fmt: skip
+    assert stopper.monitor_higher is False and trainer.summary["status"] == "completed"
+    # The same values read as higher-better (mode given) stop at the 3rd evaluation.
+    stopper = EarlyStopping(EarlyStoppingConfig(monitor="errors", patience=2, mode="max"))
+    trainer = train(
+        tmp_path / "b", [ScriptedEval(falling, "errors")], callbacks=[stopper], max_duration="1ep",
+        eval_interval="1ba", metrics=["loss", Errors], best_metric="errors",
+    )  # fmt: skip
+    assert trainer.summary["status"] == "stopped_early" and trainer.summary["batches"] == 3
+    with pytest.raises(ConfigError, match="callbacks.early_stopping.monitor='f1_macro' is not evaluated"):
+        train(tmp_path / "c", callbacks=[EarlyStopping(EarlyStoppingConfig(monitor="f1_macro"))], eval_interval="1ba")

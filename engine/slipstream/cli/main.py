@@ -157,7 +157,7 @@ def _add_sweep(sub: Any) -> None:
     sweep.add_argument("--recipe", "-r", default=None, help="a bundled recipe name or a YAML path (default: 'default')")
     sweep.add_argument("--trials", "-n", type=int, required=True, help="finished trials the sweep should hold")
     sweep.add_argument("--sweep-dir", "-d", default=None, help="default: runs/sweep-<recipe>-<date>-<time>")
-    sweep.add_argument("--metric", default="accuracy", help="eval metric: accuracy, accuracy_top5 or loss")
+    sweep.add_argument("--metric", default="accuracy", help="an evaluated metric: accuracy, loss, f1_macro, ...")
     sweep.add_argument(
         "--direction", default=None, choices=("maximize", "minimize"), help="default: the metric's own"
     )

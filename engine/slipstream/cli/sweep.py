@@ -8,6 +8,8 @@ through a small plugin registered on the trial's Trainer, which stops the run
 cleanly when the pruner says so (as optuna's own Lightning callback does); the
 trial is then told to optuna as pruned. At the end: a table of the trials (printed
 and ``D/trials.csv``) and ``D/best.yaml``, a complete recipe with the best values.
+``--metric`` is any metric the trials evaluate, its direction its plugin's
+``higher_is_better`` unless ``--direction`` says.
 
 Only this module imports optuna, and only ``slipstream sweep`` imports this module.
 """
@@ -36,13 +38,13 @@ from optuna.distributions import (
 )
 from optuna.trial import TrialState
 
-from slipstream.config.schema import build_config, build_run, known_num_classes, to_dict
+from slipstream.config.schema import build_config, build_run, data_task, known_num_classes, to_dict
 from slipstream.data.sources import eval_set_configs
 from slipstream.errors import ConfigError, did_you_mean
 from slipstream.hookspecs import hookimpl
 from slipstream.optim import OPTIMIZERS
 from slipstream.plugins.discovery import CALLBACKS_GROUP, discover, instantiate
-from slipstream.plugins.metric import record_key, split_set
+from slipstream.plugins.metric import parse_metrics, record_key, split_set, task_best_metric
 from slipstream.run.build import build_trainer
 from slipstream.run.directory import atomic_write_text
 from slipstream.state import State
@@ -50,7 +52,6 @@ from slipstream.state import State
 STUDY_DB = "study.db"
 TRIALS_CSV = "trials.csv"
 BEST_RECIPE = "best.yaml"
-METRICS = {"accuracy": "maximize", "accuracy_top5": "maximize", "loss": "minimize"}
 DIRECTIONS = ("maximize", "minimize")
 FORMS = (
     "key=loguniform(a,b) with 0 < a < b, key=uniform(a,b) with a < b, "
@@ -215,10 +216,7 @@ def run_sweep(
     finished (completed or pruned) trials. ``enqueue`` lists parameter sets to try
     first (optuna's ``enqueue_trial``), for a sweep that must start from known values."""
     where, bare = split_set(metric)  # SET/METRIC: a metric of another evaluation set (data.eval_sets)
-    if bare not in METRICS:
-        raise ConfigError(f"--metric {metric!r} is not an eval metric; use one of {', '.join(METRICS)}")
-    direction = direction or METRICS[bare]
-    if direction not in DIRECTIONS:
+    if direction is not None and direction not in DIRECTIONS:
         raise ConfigError(f"--direction {direction!r}: use maximize or minimize")
     if trials < 1:
         raise ConfigError(f"--trials must be at least 1, got {trials}")
@@ -243,6 +241,9 @@ def run_sweep(
     sets = list(eval_set_configs(base.data))
     if where is not None and where not in sets:
         raise ConfigError(f"--metric {metric}: the trials evaluate no set {where!r}; their sets: {', '.join(sets)}")
+    task = data_task(base)
+    metric = task_best_metric(metric, task) or metric  # the default accuracy: map of multi-hot targets
+    direction = direction or _direction(metric, base, task)
     metric = record_key(metric, sets) or metric  # the eval records' key: the first set's are bare
     classes = known_num_classes(base)
     if metric == "accuracy_top5" and classes is not None and classes < 5:
@@ -350,6 +351,22 @@ def _run_trials(
             file=sys.stderr,
         )
     return remaining
+
+
+def _direction(metric: str, base: Any, task: str) -> str:
+    """The study's direction for ``metric``: its metric plugin's (``higher_is_better``),
+    or a one-line ConfigError naming the metrics the trials evaluate."""
+    items = base.evaluation.metrics
+    specs = parse_metrics(to_dict(items) if items is not None else None, task)
+    bare = split_set(metric)[1]
+    names = [s.name for s in specs if not s.to_file]
+    for spec in specs:
+        if not spec.to_file and (bare == spec.name or bare.startswith(f"{spec.name}_")):
+            return "maximize" if spec.higher_is_better else "minimize"
+    raise ConfigError(
+        f"--metric {metric!r} is not evaluated by the trials{did_you_mean(bare, names)}; they evaluate "
+        f"{', '.join(names)} (evaluation.metrics)"
+    )
 
 
 def _check_trial_config(recipe: str | Path, overrides: list[str]) -> Any:

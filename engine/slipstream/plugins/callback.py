@@ -34,3 +34,6 @@ class Callback(Plugin):
     # Its option that names the metric it watches (early stopping's ``monitor``): a
     # metric the run cannot have (accuracy_top5 with fewer than 5 classes) is warned about.
     monitor_option: ClassVar[Optional[str]] = None
+    # Whether that metric is better higher: set by the engine before the run from the
+    # metric plugin's ``higher_is_better`` (None: not known, outside a Trainer).
+    monitor_higher: Optional[bool] = None
