@@ -502,6 +502,8 @@ def _metrics(
         monitored = getattr(callback.config, callback.monitor_option or "", None)
         if isinstance(monitored, str):
             callback.monitor_higher = metrics.higher_is_better(monitored)
+            # As the eval records key it: the first set's metrics are bare (val/accuracy is accuracy).
+            setattr(callback.config, callback.monitor_option, record_key(monitored, list(eval_sets)))
     return metrics
 
 
