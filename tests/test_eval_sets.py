@@ -100,14 +100,22 @@ def test_python_sets_by_name_and_a_set_not_evaluated(tmp_path):
     with pytest.raises(ConfigError, match="without '/'"):
         Trainer(model, optimizer, train, {"a/b": val}, "1ba", run_dir=tmp_path / "no")
     assert not (tmp_path / "no").exists()
-    # a/accuracy names the first set: its bare key.
+    # a/accuracy names the first set: its bare key; a monitor of another set keeps its SET/.
+    from slipstream_early_stopping import EarlyStopping, EarlyStoppingConfig
+
+    first = EarlyStopping(EarlyStoppingConfig(monitor="a/loss"))
+    Trainer(model, optimizer, train, {"a": val, "b": other}, "1ba", run_dir=tmp_path / "no", callbacks=[first])
+    stopping = EarlyStopping(EarlyStoppingConfig(monitor="b/loss", patience=5))
     t = Trainer(model, optimizer, train, {"a": val, "b": other}, "2ba", run_dir=tmp_path / "py",
-                best_metric="a/accuracy", eval_interval="1ba", progress_bar=False, verbose=False)  # fmt: skip
+                best_metric="a/accuracy", callbacks=[stopping], eval_interval="1ba", progress_bar=False,
+                verbose=False)  # fmt: skip
+    assert (first.config.monitor, stopping.config.monitor, stopping.config.mode) == ("loss", "b/loss", "min")
     t.fit()
     records = _evals(tmp_path / "py")
     assert all({"accuracy", "b/accuracy"} <= set(r) for r in records)
     best = torch.load(tmp_path / "py" / "checkpoints" / "best.pt", weights_only=False)["best"]
     assert best["metric"] == "accuracy" and best["value"] == max(r["accuracy"] for r in records)
+    assert stopping.best == min(r["b/loss"] for r in records)
 
 
 def test_a_resume_keeps_each_sets_best_of_the_whole_run(tmp_path):
