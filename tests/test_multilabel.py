@@ -151,6 +151,12 @@ def test_a_cli_run_records_the_multi_label_metrics_and_keeps_best_by_map(tmp_pat
     best = max(evals, key=lambda r: r["map"])
     kept = torch.load(run_dir / "checkpoints" / "best.pt", map_location="cpu", weights_only=False)["best"]
     assert kept["metric"] == "map" and kept["value"] == pytest.approx(best["map"]) and kept["step"] == best["step"]
+    # slipstream eval of the checkpoint measures what the run did, by the same defaults.
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--checkpoint", str(run_dir / "checkpoints" / "best.pt"), "-o", str(out)]) == 0
+    measured = json.loads(out.read_text())
+    assert measured["map"] == pytest.approx(best["map"]) and measured["loss"] == pytest.approx(best["loss"])
+    assert "f1_samples" in measured and "accuracy" not in measured
     # accuracy has no one true class here; mAP none in single-label targets: both refused by name.
     assert main(["train", "data.name=synthetic_multilabel", "loss.name=bce", "evaluation.metrics=[accuracy]",
                  f"trainer.run_dir={tmp_path / 'no'}"]) == 2  # fmt: skip
