@@ -151,6 +151,9 @@ def test_a_cli_run_records_the_multi_label_metrics_and_keeps_best_by_map(tmp_pat
     best = max(evals, key=lambda r: r["map"])
     kept = torch.load(run_dir / "checkpoints" / "best.pt", map_location="cpu", weights_only=False)["best"]
     assert kept["metric"] == "map" and kept["value"] == pytest.approx(best["map"]) and kept["step"] == best["step"]
+    # The summary holds the run's only set's final and best values of every metric it evaluated.
+    sets = json.loads((run_dir / "summary.json").read_text())["eval_sets"]
+    assert sets["val"]["final"]["map"] == evals[-1]["map"] and sets["val"]["best"]["map"] == best["map"]
     # slipstream eval of the checkpoint measures what the run did, by the same defaults.
     out = tmp_path / "eval.json"
     assert main(["eval", "--checkpoint", str(run_dir / "checkpoints" / "best.pt"), "-o", str(out)]) == 0

@@ -138,7 +138,7 @@ class Evaluator:
             state.batch, state.outputs, state.loss, state.eval_loader = saved
         self._last_eval_batch = state.timestamp.batch
         _keep_best(state.summary, state.eval_metrics)
-        if len(sets) > 1:
+        if sets:  # every set's final and best values, also a run's only set (its map, f1_macro ...)
             keep_best_per_set(state.summary, state.eval_metrics, list(sets), self.metrics.higher_is_better)
         # Throughput in summary.json is training throughput: evaluation is set apart.
         state.summary["eval_time_s"] = (

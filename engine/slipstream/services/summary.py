@@ -172,7 +172,7 @@ def resume_summary(
     if evals and evals[-1]["step"] == step:
         last = {k: v for k, v in evals[-1].items() if k not in RECORD_KEYS}
         state.eval_metrics = {k: float(v) for k, v in last.items() if _num(v) is not None}
-    if len(state.eval_sets) > 1:
+    if state.eval_sets:
         from slipstream.services.evaluation import keep_best_per_set
 
         for record in evals:
