@@ -201,7 +201,7 @@ def test_resume_with_another_optimizer_says_what_wrote_the_checkpoint(tmp_path):
         progress_bar=False,
         verbose=False,
     )
-    with pytest.raises(CheckpointError, match="written by a run of model 'ResNet' with optimizer 'SGD'"):
+    with pytest.raises(CheckpointError, match="written by a run of model 'timm/test_resnet' with optimizer 'SGD'"):
         trainer.fit()
     # The same optimizer resumes (the check is not a refusal of every resume).
     train(tmp_path / "a", [], max_duration="2ba", eval_interval=None, load_path=latest)
@@ -235,7 +235,7 @@ def test_removing_what_is_not_there():
 def test_settings_the_run_ignores_are_named(capsys, tmp_path):
     assert _warnings_of(None, None, ["data.root=/data", "optimizer.betas=[0.5, 0.9]"]) == [
         "data.root is ignored with data.name=synthetic (only cifar10 and cifar100 and imagefolder read it)",
-        "optimizer.betas is ignored with optimizer.name=sgd (only adamw read it)",
+        "optimizer.betas is ignored with optimizer.name=sgd (only adamw and lamb read it)",
     ]
     assert _warnings_of(None, None, ["trainer.checkpoint_interval=null", "trainer.checkpoint_keep=5"])
     code, _, err = run_cli(

@@ -285,6 +285,9 @@ def check_monitored(
     for one of the evaluation sets ``sets`` (a bare name: the first set's)."""
     if metric is None:
         return
+    if not isinstance(metric, str) or not metric:
+        names = ", ".join(s.name for s in specs if not s.to_file)
+        raise ConfigError(f"{key} must name one evaluated metric ({names}, or SET/METRIC), got {metric!r}")
     given, (where, metric) = metric, split_set(metric)
     if where is not None and where not in sets:
         raise ConfigError(
