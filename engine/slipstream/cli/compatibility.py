@@ -370,6 +370,7 @@ def train_once(
     rank: int = 0,
     world_size: int = 1,
     resumable: bool = True,
+    batches: int = BATCHES,
 ) -> Observed:
     """Train ``combo`` for :data:`BATCHES` batches, two epochs (a checkpoint after batch
     :data:`RESUME_AT`, evaluated at the end), or resume it from ``load``. Not
@@ -395,12 +396,12 @@ def train_once(
         train_data=build_loader(train, batch_size=BATCH, seed=0, rank=rank, world_size=world_size),
         eval_data=build_loader(val, batch_size=BATCH, shuffle=False, drop_last=False, rank=rank,
                                world_size=world_size),
-        max_duration=f"{BATCHES}ba",
+        max_duration=f"{batches}ba",
         algorithms=plugins,
         run_dir=run_dir,
-        eval_interval=f"{BATCHES}ba",
-        log_interval=BATCHES,
-        checkpoint_interval=f"{RESUME_AT if resumable else BATCHES}ba",
+        eval_interval=f"{batches}ba",
+        log_interval=batches,
+        checkpoint_interval=f"{RESUME_AT if resumable else batches}ba",
         checkpoint_keep=4 if resumable else 0,
         best_metric=None,
         load_path=load,
@@ -463,9 +464,11 @@ def check_combo(
     resume: bool = True,
     rank: int = 0,
     world_size: int = 1,
+    batches: int = BATCHES,
 ) -> Cell:
     """Train ``combo``, look for each plugin's effect, resume it from its mid-run
-    checkpoint and compare: the cell of the table."""
+    checkpoint and compare: the cell of the table. ``batches``: how many to train
+    when not resuming (the resume check needs :data:`BATCHES`)."""
     started = time.perf_counter()
     run_dir = workdir / combo.label.replace("/", "_")
     if rank == 0 and run_dir.exists():
@@ -473,7 +476,7 @@ def check_combo(
     _barrier(world_size)  # no rank looks at the run directory before it is gone
     try:
         seen = train_once(combo, classes, run_dir, settings=settings, rank=rank, world_size=world_size,
-                          resumable=resume)
+                          resumable=resume, batches=BATCHES if resume else batches)
     except SlipstreamError as exc:
         reason = first_line(exc)
         if (run_dir / "summary.json").exists():  # the run began: an error of a plugin's, mid-run
@@ -578,19 +581,20 @@ def run_local(
     progress: Callable[[Combo, Cell], None] | None = None,
     parts: Sequence[str] = PARTS,
     resume: Callable[[Combo], bool] | None = None,
+    batches: int = BATCHES,
 ) -> Matrix:
     """The one-process part: each plugin alone on both models and with each
     optimizer, every pair, the five together (``parts`` chooses; the singles always
     run, since they say which model each plugin applies to, but are only probed and
     resumed when asked for). ``resume`` says which combinations get the resume check
-    (default: all). A wrap plugin (fsdp) is left to :func:`run_distributed`."""
+    (default: all); the others train ``batches``. A wrap plugin (fsdp) is left to :func:`run_distributed`."""
     names = list(classes)
     matrix = Matrix(names, tuple(n for n in five if n in classes),
                     settings={k: dict(v) for k, v in (settings or {}).items()}, classes=dict(classes))
 
     def do(combo: Combo, checked: bool = True) -> Cell:
         cell = check_combo(combo, classes, workdir, settings=settings, probes=probes if checked else None,
-                           resume=checked and (resume is None or resume(combo)))
+                           resume=checked and (resume is None or resume(combo)), batches=batches)
         matrix.cells[combo] = cell
         if progress:
             progress(combo, cell)
