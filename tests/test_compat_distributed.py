@@ -7,7 +7,14 @@ import pytest
 import torch.distributed as dist
 
 from compat_setup import ADD, DOC, FIVE, ROOT, SETTINGS, classes
-from slipstream.cli.compatibility import Combo, cells_of, distributed_combos, from_cells, run_distributed
+from slipstream.cli.compatibility import (
+    EPOCH_BATCHES,
+    Combo,
+    cells_of,
+    distributed_combos,
+    from_cells,
+    run_distributed,
+)
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 
@@ -18,8 +25,9 @@ def launched(tmp_path_factory):
     singles = {k: v for k, v in committed.items() if k.count("+") == 0 and k.count("/") == 2}
     matrix = from_cells(singles, classes(tested=True), FIVE, SETTINGS)
     # The resume check under fsdp (sharded state); DDP's state is one process's.
+    # The others train one epoch (no probes run here: a cell is whether it trains).
     run_distributed(matrix, tmp_path_factory.mktemp("compat"), extra=[str(ROOT / a) for a in ADD],
-                    resume=lambda c: c.wrap == "fsdp")
+                    resume=lambda c: c.wrap == "fsdp", batches=EPOCH_BATCHES)
     return matrix, committed
 
 

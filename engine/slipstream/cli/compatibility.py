@@ -665,9 +665,11 @@ def run_distributed(
     timeout: float = 900,
     progress: Callable[[Combo, Cell], None] | None = None,
     resume: Callable[[Combo], bool] | None = None,
+    batches: int = BATCHES,
 ) -> None:
     """Run :func:`distributed_combos` in one 2-process gloo launch (torchrun) and put
-    their cells in ``matrix``. ``extra`` are ``--add`` specs the ranks load too."""
+    their cells in ``matrix``. ``extra`` are ``--add`` specs the ranks load too; the
+    combinations without the resume check train ``batches``."""
     import socket
     import subprocess
 
@@ -675,6 +677,7 @@ def run_distributed(
     spec = {
         "combos": [[list(c.names), c.optimizer, c.model, c.wrap] for c in combos],
         "resume": [resume is None or resume(c) for c in combos],
+        "batches": batches,
         "settings": matrix.settings,
         "extra": list(extra),
         "names": matrix.names,
@@ -724,7 +727,7 @@ def _rank_main(spec_path: str) -> None:
         combo = Combo(tuple(names), opt, model, wrap)
         resume = spec.get("resume", [True] * len(spec["combos"]))[i]
         cell = check_combo(combo, classes, workdir, settings=spec["settings"], rank=rank, world_size=world,
-                           resume=resume)
+                           resume=resume, batches=spec.get("batches", BATCHES))
         # Every rank must agree; a rank's failure is the cell's.
         cells: list[Any] = [None] * world
         dist.all_gather_object(cells, cell.__dict__)
