@@ -141,7 +141,7 @@ step fast 120 "$PYTHON" tools/gpu_check.py train --dump-after 112 --recipe resne
 # already on the device: what MFU the model reaches here without the engine, fp32 and
 # bf16, NCHW and channels-last (the reference the pair's MFU is read against).
 if [[ $DRY == 1 ]]; then
-    PLAIN=(--quick --threads 1)
+    PLAIN=(--quick --threads 1 --batch 8)
 else
     PLAIN=(--device cuda --width 64 --batch 512 --sizes 32 --steps 20 --warmup 5 --repeats 2)
 fi
