@@ -35,6 +35,7 @@ from slipstream.data.synthetic import (
     _processes_for,
     _rgb,
     _supersample,
+    check_split_and_sizes,
 )
 
 # One class per shape (a pair of one shape is no other label here), those a small model
@@ -142,12 +143,7 @@ class SyntheticMultiLabel(Dataset):
                 f"max_shapes must be from 1 to {min(CELLS, num_classes)} (the 2 x 2 grid's cells, and no more "
                 f"than num_classes={num_classes}); got {max_shapes}"
             )
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
-        if size < 0:
-            raise ValueError(f"size must be >= 0; got {size}")
-        if image_size < 8:
-            raise ValueError(f"image_size must be >= 8; got {image_size}")
+        check_split_and_sizes(split, size, image_size)
         self.size, self.image_size, self.num_classes = size, image_size, num_classes
         self.seed, self.split, self.max_shapes = seed, split, max_shapes
         self.classes = list(LABELS[:num_classes])

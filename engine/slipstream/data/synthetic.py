@@ -132,6 +132,16 @@ def _contrasting_colour(rng: np.random.Generator, against: np.ndarray) -> np.nda
     return colour
 
 
+
+def check_split_and_sizes(split: str, size: int, image_size: int) -> None:
+    """The arguments every built-in synthetic dataset takes, checked alike."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
+    if size < 0:
+        raise ValueError(f"size must be >= 0; got {size}")
+    if image_size < 8:
+        raise ValueError(f"image_size must be >= 8; got {image_size}")
+
 class _Canvas:
     """Pixel-coordinate grids for one canvas size, shared by every sample of a render."""
 
@@ -351,12 +361,7 @@ class SyntheticShapes(Dataset):
                 f"SyntheticShapes supports num_classes from {MIN_CLASSES} to {MAX_CLASSES} "
                 f"({len(SHAPES)} shapes, single or paired); got {num_classes}"
             )
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
-        if size < 0:
-            raise ValueError(f"size must be >= 0; got {size}")
-        if image_size < 8:
-            raise ValueError(f"image_size must be >= 8; got {image_size}")
+        check_split_and_sizes(split, size, image_size)
         self.size = size
         self.image_size = image_size
         self.num_classes = num_classes
