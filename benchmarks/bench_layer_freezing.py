@@ -13,16 +13,14 @@ weight gradient, and no input gradient below the lowest layer still training.
 
 from __future__ import annotations
 
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from slipstream_layer_freezing import LayerFreezing, LayerFreezingConfig, freeze_layers
 
-from common import Result, StepClock, Variant, parser, per_step, random_loader, report
-from slipstream import Algorithm, State, Trainer, hookimpl
+from common import compare, parser, random_loader, report
+from slipstream import Algorithm, State, hookimpl
 from slipstream.models import build_model
 
 
@@ -38,26 +36,6 @@ class FrozenFromTheStart(Algorithm):
     @hookimpl
     def init(self, state: State) -> None:
         freeze_layers(state.unwrapped_model, 1.0, freeze_start=0.0, freeze_level=self.level)
-
-
-def cpu_compare(
-    variants: dict[str, Variant], loader: Any, *, steps: int, warmup: int, repeats: int
-) -> dict[str, Result]:
-    """As ``common.compare`` (interleaved, through the real Trainer), timing each step
-    in the process's CPU time (``time.process_time``, one thread): on a machine shared
-    with other jobs, time spent descheduled does not count."""
-    results = {name: Result(name) for name in variants}
-    for _ in range(repeats):
-        for name, build in variants.items():
-            model, optimizer, algorithms = build()
-            clock = StepClock(time.process_time)
-            with tempfile.TemporaryDirectory() as tmp:
-                Trainer(model=model, optimizer=optimizer, train_data=loader, max_duration=f"{warmup + steps}ba",
-                        algorithms=[*algorithms, clock], run_dir=Path(tmp) / "run", device="cpu",
-                        eval_interval=None, checkpoint_interval=None, progress_bar=False, verbose=False,
-                        log_interval=10**9).fit()  # fmt: skip
-            results[name].step_s.append(per_step(clock.times, warmup))
-    return results
 
 
 def bench(model_name: str, size: int, batch: int, args: Any) -> None:
@@ -78,7 +56,8 @@ def bench(model_name: str, size: int, batch: int, args: Any) -> None:
         "layer_freezing (defaults, run avg)": variant(lambda: LayerFreezing(LayerFreezingConfig())),
     }
     data = random_loader(batch * (args.warmup + args.steps), size, batch)
-    results = cpu_compare(variants, data, steps=args.steps, warmup=args.warmup, repeats=args.repeats)
+    results = compare(variants, data, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                      clock=time.process_time)  # CPU time: the machine is shared
     report(f"{model_name} at {size} px, batch {batch}, {args.threads} thread(s), CPU time per step", results)
 
 

@@ -15,39 +15,16 @@ and backward of the kept half.
 
 from __future__ import annotations
 
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from slipstream_selective_backprop import SelectiveBackprop, SelectiveBackpropConfig
 
-from common import Result, StepClock, Variant, parser, per_step, random_loader, report
-from slipstream import Trainer
+from common import compare, parser, random_loader, report
 from slipstream.models import build_model
 
 EVERY_STEP = {"start": 0.0, "end": 1.0, "interrupt": 0}
-
-
-def cpu_compare(
-    variants: dict[str, Variant], loader: Any, *, steps: int, warmup: int, repeats: int
-) -> dict[str, Result]:
-    """As ``common.compare`` (interleaved, through the real Trainer), timing each step
-    in the process's CPU time (``time.process_time``, one thread): on a machine shared
-    with other jobs, time spent descheduled does not count."""
-    results = {name: Result(name) for name in variants}
-    for _ in range(repeats):
-        for name, build in variants.items():
-            model, optimizer, algorithms = build()
-            clock = StepClock(time.process_time)
-            with tempfile.TemporaryDirectory() as tmp:
-                Trainer(model=model, optimizer=optimizer, train_data=loader, max_duration=f"{warmup + steps}ba",
-                        algorithms=[*algorithms, clock], run_dir=Path(tmp) / "run", device="cpu",
-                        eval_interval=None, checkpoint_interval=None, progress_bar=False, verbose=False,
-                        log_interval=10**9).fit()  # fmt: skip
-            results[name].step_s.append(per_step(clock.times, warmup))
-    return results
 
 
 def bench(model_name: str, size: int, batch: int, args: Any) -> None:
@@ -68,7 +45,8 @@ def bench(model_name: str, size: int, batch: int, args: Any) -> None:
         "defaults (run avg)": variant(),
     }
     data = random_loader(batch * (args.warmup + args.steps), size, batch)
-    results = cpu_compare(variants, data, steps=args.steps, warmup=args.warmup, repeats=args.repeats)
+    results = compare(variants, data, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                      clock=time.process_time)  # CPU time: the machine is shared
     report(f"{model_name} at {size} px, batch {batch}, {args.threads} thread(s), CPU time per step", results)
 
 

@@ -163,10 +163,13 @@ def run_variant(
     warmup: int,
     measure_memory: bool = False,
     device: str = "cpu",
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float]:
-    """(seconds per step, peak MiB) for one training run of warmup + steps batches."""
+    """(seconds per step, peak MiB) for one training run of warmup + steps batches,
+    read on ``clock`` (``time.process_time``: CPU time, which a shared machine's
+    descheduling does not add to)."""
     model, optimizer, algorithms = build()
-    timer = StepClock()
+    timer = StepClock(clock)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(
             model=model,
@@ -203,6 +206,7 @@ def compare(
     repeats: int,
     measure_memory: bool = False,
     device: str = "cpu",
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Result]:
     """Run every variant ``repeats`` times, interleaved; the first is the baseline."""
     results = {name: Result(name) for name in variants}
@@ -211,7 +215,7 @@ def compare(
             data = (
                 loader(name) if callable(loader) and not isinstance(loader, DataLoader) else loader
             )
-            step_s, peak = run_variant(build, data, steps, warmup, measure_memory, device)
+            step_s, peak = run_variant(build, data, steps, warmup, measure_memory, device, clock)
             results[name].step_s.append(step_s)
             results[name].peak_mib.append(peak)
     return results
