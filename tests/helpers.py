@@ -129,6 +129,7 @@ def train(
     """Fit a tiny model with ``algorithms`` and return the finished Trainer."""
     train_data, eval_data = tiny_loaders(image_size=image_size)
     train_data = kwargs.pop("train_data", train_data)
+    eval_data = kwargs.pop("eval_data", eval_data)
     model = model or tiny_model(image_size=image_size)
     kwargs.setdefault("progress_bar", False)
     kwargs.setdefault("verbose", False)

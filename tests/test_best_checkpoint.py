@@ -121,3 +121,21 @@ def test_a_resumed_runs_summary_describes_the_whole_run(tmp_path):
     assert summary["best_checkpoint"]["step"] == 2
     assert summary["time_to_target_s"] == reached is not None
     assert resumed.summary["best_checkpoint"] == first.summary["best_checkpoint"]
+
+
+def test_a_resumed_run_keeps_when_its_target_metric_was_reached(tmp_path):
+    # A loss of 0.3 at step 4 only: at or below the 0.5 target (downwards), before the checkpoint.
+    def script(state):
+        state.eval_metrics["loss"] = 0.3 if state.timestamp.batch == 4 else 2.0
+
+    options = dict(eval_interval="2ba", checkpoint_interval="2ba", target_accuracy=0.5, target_metric="loss")
+    first = train(tmp_path, [Probe(eval_end=script)], max_duration="6ba", **options)
+    reached = first.summary["time_to_target_s"]
+    assert reached is not None
+    latest = tmp_path / "run" / "checkpoints" / "latest.pt"
+    train(tmp_path, [Probe(eval_end=script)], max_duration="8ba", load_path=latest, **options)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["batches"] == 8 and summary["target_metric"] == "loss"
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (record,) = [r for r in evals if r["kind"] == "eval" and r["loss"] == 0.3]
+    assert summary["time_to_target_s"] == reached == record["elapsed_s"] and record["step"] == 4

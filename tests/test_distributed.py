@@ -120,6 +120,67 @@ def test_ranks_see_different_data_and_end_with_equal_weights(tmp_path):
     assert any(not torch.equal(r0["initial"][k], r0["final"][k]) for k in r0["final"])
 
 
+# Evaluation under two processes of a model whose class count is found at its first
+# evaluation: one set that only rank 0 holds (rank 1 sees no batch, so it learns the
+# class count from rank 0), one that a DistributedSampler pads (5 samples on 2 ranks).
+EVAL_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    from slipstream import Trainer
+
+    out = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    x = torch.rand(5, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([0, 1, 2, 0, 1])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                torch.nn.Linear(4, 3))  # no num_classes: metrics are built at the first batch
+    sampler = DistributedSampler(TensorDataset(x, y), num_replicas=2, rank=rank, shuffle=False)
+    padded = DataLoader(TensorDataset(x, y), batch_size=2, sampler=sampler)
+
+    class Lopsided:  # an iterable of unknown length: rank 1's yields nothing
+        def __iter__(self):
+            return iter([(x, y)] if rank == 0 else [])
+
+    trainer = Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), train_data=[(x, y)],
+                      eval_data={"lopsided": Lopsided(), "padded": padded}, max_duration="1ba",
+                      metrics=["loss", "accuracy", "f1_macro"], run_dir=os.path.join(out, "run"),
+                      checkpoint_interval=None, progress_bar=False, verbose=False)
+    trainer.fit()
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"metrics": trainer.state.eval_metrics, "logits": logits.tolist(), "targets": y.tolist()}, f)
+    """
+)
+
+
+def test_metrics_built_at_the_first_batch_agree_across_ranks_and_count_each_sample_once(tmp_path):
+    from torchmetrics.functional.classification import multiclass_f1_score
+
+    script = tmp_path / "eval_script.py"
+    script.write_text(EVAL_SCRIPT)
+    # Before the fix a metric's check at its construction waited in torchmetrics' sync
+    # for a rank that was in another collective: a hang, hence the shorter limit.
+    result = _torchrun(str(script), str(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["metrics"] == r1["metrics"]  # every rank reads the same numbers (early stopping, the target)
+    logits, targets = torch.tensor(r0["logits"]), torch.tensor(r0["targets"])
+    whole = {
+        "loss": torch.nn.functional.cross_entropy(logits, targets).item(),
+        "accuracy": (logits.argmax(1) == targets).float().mean().item(),
+        "f1_macro": multiclass_f1_score(logits, targets, num_classes=3, average="macro").item(),
+    }
+    for prefix in ("", "padded/"):  # the first set's keys are bare
+        for name, value in whole.items():
+            assert r0["metrics"][prefix + name] == pytest.approx(value, rel=1e-5, abs=1e-6), prefix + name
+
+
 TINY_RUN = (
     "--quiet", "model.name=test_resnet", "data.train_size=64", "data.val_size=16",
     "data.image_size=16", "data.batch_size=8", "trainer.max_duration=2ba", "trainer.threads=1",

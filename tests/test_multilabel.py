@@ -140,8 +140,9 @@ def test_a_cli_run_records_the_multi_label_metrics_and_keeps_best_by_map(tmp_pat
     small = ["data.num_classes=3", "data.train_size=32", "data.val_size=16", "data.image_size=16",
              "data.batch_size=8", "model.name=test_resnet", "trainer.max_duration=3ba"]  # fmt: skip
     args = ["train", "data.name=synthetic_multilabel", "loss.name=bce", *small, "trainer.eval_interval=1ba",
-            "trainer.best_metric=map", "trainer.progress_bar=false",
-            f"trainer.run_dir={run_dir}"]  # fmt: skip
+            "trainer.best_metric=map", "trainer.progress_bar=false", "trainer.target_accuracy=0.01",
+            "--callbacks", "early_stopping", f"trainer.run_dir={run_dir}"]  # fmt: skip
+    # The target and early stopping's default monitor (accuracy) read map in a multi-label run.
     assert main(args) == 0
     assert "does not measure" not in capsys.readouterr().err  # no warning left about the evaluation
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -152,8 +153,10 @@ def test_a_cli_run_records_the_multi_label_metrics_and_keeps_best_by_map(tmp_pat
     kept = torch.load(run_dir / "checkpoints" / "best.pt", map_location="cpu", weights_only=False)["best"]
     assert kept["metric"] == "map" and kept["value"] == pytest.approx(best["map"]) and kept["step"] == best["step"]
     # The summary holds the run's only set's final and best values of every metric it evaluated.
-    sets = json.loads((run_dir / "summary.json").read_text())["eval_sets"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    sets = summary["eval_sets"]
     assert sets["val"]["final"]["map"] == evals[-1]["map"] and sets["val"]["best"]["map"] == best["map"]
+    assert summary["target_metric"] == "map" and summary["time_to_target_s"] == evals[0]["elapsed_s"]
     # slipstream eval of the checkpoint measures what the run did, by the same defaults.
     out = tmp_path / "eval.json"
     assert main(["eval", "--checkpoint", str(run_dir / "checkpoints" / "best.pt"), "-o", str(out)]) == 0

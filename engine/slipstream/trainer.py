@@ -81,8 +81,9 @@ class Trainer:
     ``checkpoint_interval=None`` no checkpoints.
 
     ``target_accuracy`` (a fraction in (0, 1]) records ``time_to_target_s`` in the
-    summary; with ``stop_at_target`` the run ends there with status
-    ``target_reached``. ``peak_tflops`` (a number, or a mapping of fp32/bf16/fp16 to
+    summary when ``target_metric`` (``"accuracy"``, ``"SET/accuracy"``, ``"map"``,
+    ``"loss"``: reached at or below) reaches it; with ``stop_at_target`` the run ends
+    there with status ``target_reached``. ``peak_tflops`` (a number, or a mapping of fp32/bf16/fp16 to
     numbers) is the device's peak for MFU; by default it is probed once per machine.
     ``best_metric`` (``"accuracy"``, ``"loss"``, ``"SET/accuracy"`` or None) is the eval metric whose
     best value ``checkpoints/best.pt`` keeps.
@@ -491,13 +492,20 @@ def _metrics(
     it (``val/accuracy`` of a first set ``val`` is ``accuracy``)."""
     task = data_task(eval_sets)
     o.best_metric = task_best_metric(o.best_metric, task)
+    o.target_metric = task_best_metric(o.target_metric, task)
+    for callback in callbacks:  # early stopping's default monitor, accuracy, is map in multi-label
+        monitored = getattr(callback.config, callback.monitor_option or "", None)
+        if isinstance(monitored, str):
+            setattr(callback.config, callback.monitor_option, task_best_metric(monitored, task))
     metrics = run_metrics(
         items, loss_fn=loss_fn, num_classes=_classes(model, config), device=device,
         evaluates=o.eval_interval is not None and bool(eval_sets), best_metric=o.best_metric,
         target_accuracy=o.target_accuracy, prefix="trainer." if config is not None else "",
         monitors=_monitors(callbacks), sets=list(eval_sets) or ["val"], task=task,
+        target_metric=o.target_metric,
     )  # fmt: skip
     o.best_metric = record_key(o.best_metric, list(eval_sets))
+    o.target_metric = record_key(o.target_metric, list(eval_sets)) or o.target_metric
     for callback in callbacks:  # a monitor improves as its metric's plugin says (higher_is_better)
         monitored = getattr(callback.config, callback.monitor_option or "", None)
         if isinstance(monitored, str):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -79,11 +80,20 @@ def check_on_nonfinite(value: str) -> str:
     return value
 
 
-def check_target(target_accuracy: Any, stop_at_target: Any, prefix: str = "trainer.") -> float | None:
-    """Validate ``target_accuracy`` / ``stop_at_target``; returns the target as a float
-    (None when not set)."""
+def check_target(
+    target_accuracy: Any, stop_at_target: Any, prefix: str = "trainer.", target_metric: Any = "accuracy"
+) -> float | None:
+    """Validate ``target_accuracy`` / ``stop_at_target`` / ``target_metric``; returns the
+    target as a float (None when not set). The target is a fraction in (0, 1], or for
+    ``loss`` (reached at or below it) any positive number; whether the run evaluates
+    ``target_metric`` is the metrics' check."""
     if not isinstance(stop_at_target, bool):
         raise ConfigError(f"{prefix}stop_at_target must be true or false, got {stop_at_target!r}")
+    if not isinstance(target_metric, str) or not target_metric or target_metric.endswith("/"):
+        raise ConfigError(
+            f"{prefix}target_metric must name an evaluated metric (accuracy, map, f1_macro, ...) "
+            f"or SET/METRIC (val_v2/accuracy), got {target_metric!r}"
+        )
     if target_accuracy is None:
         if stop_at_target:
             raise ConfigError(
@@ -91,10 +101,13 @@ def check_target(target_accuracy: Any, stop_at_target: Any, prefix: str = "train
             )
         return None
     number = isinstance(target_accuracy, (int, float)) and not isinstance(target_accuracy, bool)
+    unbounded = target_metric.rpartition("/")[2] == "loss"
+    if number and unbounded and 0 < target_accuracy < math.inf:
+        return float(target_accuracy)
     if not number or not 0 < target_accuracy <= 1:
         raise ConfigError(
-            f"{prefix}target_accuracy must be a fraction in (0, 1] (0.9 for 90 %), "
-            f"got {target_accuracy!r}"
+            f"{prefix}target_accuracy must be a fraction in (0, 1] (0.9 for 90 %"
+            f"{'' if target_metric == 'accuracy' else f' {target_metric}'}), got {target_accuracy!r}"
         )
     return float(target_accuracy)
 
@@ -233,6 +246,9 @@ class TrainerOptions:
     threads: int | None = setting(None, "torch.set_num_threads; null: torch's default")
     deterministic: bool = setting(False, "torch.use_deterministic_algorithms")
     target_accuracy: float | None = setting(None, "in (0, 1]: records time_to_target_s")
+    # Which metric target_accuracy is read from: another set's (val_v2/accuracy), or a
+    # multi-label run's map. One that improves downwards (loss) is reached at or below it.
+    target_metric: str = setting("accuracy", "the metric target_accuracy is read from, or SET/METRIC")
     stop_at_target: bool = setting(False, "end the run at target_accuracy (status target_reached)")
     # A number, or {fp32: .., bf16: .., fp16: ..}; None: probed once per machine and cached.
     peak_tflops: float | Mapping[str, float] | None = setting(
@@ -309,7 +325,7 @@ class TrainerOptions:
         check_on_nonfinite(self.on_nonfinite)
         check_best_metric(self.best_metric)
         self.ddp = check_ddp_options(self.ddp, f"{prefix}ddp")
-        self.target_accuracy = check_target(self.target_accuracy, self.stop_at_target, prefix)
+        self.target_accuracy = check_target(self.target_accuracy, self.stop_at_target, prefix, self.target_metric)
         parse_peak_tflops(self.peak_tflops, f"{prefix}peak_tflops")
         if not isinstance(self.autotune, bool):
             raise ConfigError(f"{prefix}autotune must be true or false, got {self.autotune!r}")

@@ -695,9 +695,11 @@ def check_evaluation(cfg: DictConfig, options: TrainerOptions) -> None:
     for name, cls in _enabled_callbacks(cfg).items():
         option = cls.monitor_option
         if option is not None and option in (cfg.callbacks[name] or {}):
-            check_monitored(cfg.callbacks[name][option], specs, f"callbacks.{name}.{option}", sets)
-    if options.target_accuracy is not None and not any(s.name == "accuracy" for s in specs):
-        raise ConfigError("trainer.target_accuracy is reached by eval accuracy, which evaluation.metrics leaves out")
+            monitored = task_best_metric(cfg.callbacks[name][option], task)
+            check_monitored(monitored, specs, f"callbacks.{name}.{option}", sets)
+    if options.target_accuracy is not None:
+        target = task_best_metric(options.target_metric, task)
+        check_monitored(target, specs, "trainer.target_metric", sets, "trainer.target_accuracy")
 
 
 # More loader processes than this only thrash (and a typo of a few digits would

@@ -187,8 +187,9 @@ def data_task(data: Any) -> str:
 
 
 def task_best_metric(metric: str | None, task: str) -> str | None:
-    """What best.pt keeps in a run of ``task``: ``trainer.best_metric``, its default
-    ``accuracy`` read as ``map`` in a multi-label run, which evaluates no accuracy."""
+    """A metric a run of ``task`` reads (``trainer.best_metric``, ``target_metric``, a
+    callback's monitor): their default ``accuracy`` is read as ``map`` in a multi-label
+    run, which evaluates no accuracy."""
     return "map" if task == "multilabel" and metric == "accuracy" else metric
 
 
@@ -278,11 +279,16 @@ def record_key(metric: str | None, sets: Sequence[str] = ("val",)) -> str | None
 
 
 def check_monitored(
-    metric: str | None, specs: Sequence[MetricSpec], key: str = "trainer.best_metric", sets: Sequence[str] = ("val",)
+    metric: str | None,
+    specs: Sequence[MetricSpec],
+    key: str = "trainer.best_metric",
+    sets: Sequence[str] = ("val",),
+    off: str | None = None,
 ) -> None:
     """``metric`` (what best.pt keeps, or a monitor) is one the evaluation records: a
     metric's name, or ``name_key`` of one whose compute() returns a dict; ``SET/METRIC``
-    for one of the evaluation sets ``sets`` (a bare name: the first set's)."""
+    for one of the evaluation sets ``sets`` (a bare name: the first set's). ``off``: the
+    key whose null turns off what reads it (``key`` itself unless said)."""
     if metric is None:
         return
     if not isinstance(metric, str) or not metric:
@@ -299,7 +305,7 @@ def check_monitored(
         return
     raise ConfigError(
         f"{key}={given!r} is not evaluated{did_you_mean(metric, names)}; the evaluation records "
-        f"{', '.join(names)} ({KEY}), or set {key}=null"
+        f"{', '.join(names)} ({KEY}), or set {off or key}=null"
     )
 
 
@@ -316,22 +322,21 @@ def run_metrics(
     monitors: Mapping[str, str | None] | None = None,
     sets: Sequence[str] = ("val",),
     task: str = "multiclass",
+    target_metric: str = "accuracy",
 ) -> MetricSet:
     """A run's metrics (``items``: ``evaluation.metrics``, a Trainer's ``metrics=``),
     built where the class count is known, and checked against what reads them: the
     metric ``best_metric`` keeps, those callbacks monitor (``monitors``: option key to
-    metric, e.g. ``callbacks.early_stopping.monitor``), and ``accuracy`` for
-    ``target_accuracy``."""
+    metric, e.g. ``callbacks.early_stopping.monitor``), and ``target_metric``, which
+    ``target_accuracy`` is read from."""
     specs = parse_metrics(items, task)  # task: the targets' (data_task), for defaults and refusals
     metrics = MetricSet(specs, loss_fn=loss_fn, task=task, num_classes=num_classes, device=device)
     if evaluates:
         check_monitored(best_metric, specs, f"{prefix}best_metric", sets)
         for key, monitored in (monitors or {}).items():
             check_monitored(monitored, specs, key, sets)
-        if target_accuracy is not None and not any(s.name == "accuracy" for s in specs):
-            raise ConfigError(
-                f"{prefix}target_accuracy is reached by eval accuracy, which {KEY} leaves out; add accuracy"
-            )
+        if target_accuracy is not None:
+            check_monitored(target_metric, specs, f"{prefix}target_metric", sets, f"{prefix}target_accuracy")
     return metrics
 
 
@@ -497,6 +502,10 @@ def dist_backend() -> str | None:
     return dist.get_backend() if dist.is_available() and dist.is_initialized() else None
 
 
+def _one_process() -> bool:
+    return False
+
+
 def _dry_run(spec: MetricSpec, metric: Any, num_classes: int, task: str) -> None:
     """Update ``metric`` with a made-up batch, check compute() returns numbers, reset it."""
     logits = torch.linspace(-1.0, 1.0, 4 * num_classes).reshape(4, num_classes)
@@ -504,9 +513,12 @@ def _dry_run(spec: MetricSpec, metric: Any, num_classes: int, task: str) -> None
         targets = (torch.arange(4 * num_classes).reshape(4, num_classes) % 2).long()
     else:
         targets = torch.arange(4) % num_classes
-    syncs = getattr(metric, "sync_on_compute", None)
+    # Each rank checks its own: no collective here, where another rank may be in none
+    # (torchmetrics syncs in compute() whenever a process group is up; sync_on_compute
+    # is read only at construction, its distributed_available_fn at every sync).
+    syncs = getattr(metric, "distributed_available_fn", None)
     if syncs is not None:
-        metric.sync_on_compute = False  # each rank checks its own: no collective here
+        metric.distributed_available_fn = _one_process
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -518,7 +530,7 @@ def _dry_run(spec: MetricSpec, metric: Any, num_classes: int, task: str) -> None
         raise ConfigError(f"{KEY}: {spec.name!r} fails on a batch of {num_classes}-class logits: {exc}") from None
     finally:
         if syncs is not None:
-            metric.sync_on_compute = syncs
+            metric.distributed_available_fn = syncs
     if not spec.to_file:
         as_numbers(spec.name, value)  # only the type is checked: a made-up batch's values mean nothing
     metric.reset()

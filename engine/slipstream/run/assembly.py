@@ -82,7 +82,10 @@ def assemble(
     utilization = Utilization(peak, verbose=verbose)
     target = None
     if options.target_accuracy is not None:
-        target = TargetAccuracy(options.target_accuracy, options.stop_at_target)
+        metric = options.target_metric  # as the eval records key it (Trainer: _metrics)
+        target = TargetAccuracy(
+            options.target_accuracy, options.stop_at_target, metric, metrics.higher_is_better(metric)
+        )
     summary = RunSummary(
         run_dir,
         algorithm_records,

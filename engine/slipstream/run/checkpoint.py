@@ -402,6 +402,7 @@ RESUME_MAY_CHANGE = (
     "trainer.eval_interval",
     "trainer.best_metric",
     "trainer.target_accuracy",
+    "trainer.target_metric",
     "trainer.stop_at_target",
     "trainer.threads",
     "trainer.device",

@@ -84,6 +84,7 @@ class RunSummary:
             "samples_per_s": state.session_samples / train_s,
             **utilization,
             "target_accuracy": self.target.target if self.target is not None else None,
+            "target_metric": self.target.metric if self.target is not None else None,
             "time_to_target_s": self.target.reached_s if self.target is not None else None,
             "epochs": ts.epoch,
             "batches": ts.batch,
@@ -184,8 +185,8 @@ def resume_summary(
             state.summary[best_key] = max(values + [state.summary.get(best_key) or 0.0])
     if target is not None and target.reached_s is None:
         for record in evals:
-            accuracy, elapsed = _num(record.get("accuracy")), _num(record.get("elapsed_s"))
-            if accuracy is not None and elapsed is not None and accuracy >= target.target:
+            value, elapsed = _num(record.get(target.metric)), _num(record.get("elapsed_s"))
+            if elapsed is not None and target.reached(value):
                 target.reached_s = elapsed
                 break
 
