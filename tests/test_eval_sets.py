@@ -156,3 +156,33 @@ def test_a_run_of_one_set_reads_as_before_beside_one_of_two(tmp_path):
     assert "v2 final %" in header and "30.00" in two_line and "30.00" not in old_line
     assert "v2" not in compare_runs(runs[:1])
     assert plot_runs(runs, tmp_path / "runs.png").stat().st_size > 0
+
+
+def test_a_set_of_its_own_folder_needs_no_train_split_and_must_name_the_same_classes(tmp_path, capsys):
+    import shutil
+
+    from helpers import colour_image_folder
+
+    classes = {"a": (200, 0, 0), "b": (0, 200, 0)}
+    tree = colour_image_folder(tmp_path / "tree", classes, per_class=4)
+    shifted = colour_image_folder(tmp_path / "shifted", {"a": (150, 40, 40), "b": (40, 150, 40)}, per_class=3)
+    shutil.rmtree(shifted / "train")  # as ImageNet-V2: an evaluation split alone
+    run_dir = tmp_path / "run"
+    common = ["model.name=test_resnet", "data.name=imagefolder", f"data.root={tree}", "data.image_size=8",
+              "data.batch_size=4", "trainer.max_duration=2ba", "trainer.progress_bar=false", "-q"]  # fmt: skip
+    shifted_set = ["data.eval_sets.val={}", f"data.eval_sets.shifted.root={shifted}"]
+    assert main(["train", *common, *shifted_set, f"trainer.run_dir={run_dir}"]) == 0
+    final = _evals(run_dir)[-1]
+    assert {"accuracy", "shifted/accuracy"} <= set(final)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_sets"]["shifted"]["final"]["loss"] == final["shifted/loss"] != final["loss"]
+    capsys.readouterr()
+
+    # Class folders named otherwise (ImageNet-V2's 0..999 beside ImageNet's wnids) would
+    # score each index as another class: refused, naming them, before anything is written.
+    renamed = colour_image_folder(tmp_path / "renamed", {"0": (200, 0, 0), "1": (0, 200, 0)})
+    other = ["data.eval_sets.val={}", f"data.eval_sets.v2.root={renamed}"]
+    assert main(["train", *common, *other, f"trainer.run_dir={tmp_path / 'no'}"]) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "data.eval_sets.v2" in line and "only in the set ['0', '1']" in line and "['a', 'b']" in line, line
+    assert not (tmp_path / "no").exists()

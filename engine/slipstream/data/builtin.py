@@ -80,6 +80,7 @@ class Synthetic(DatasetPlugin):
             seed=request.seed,
             train_geometry=request.train_geometry,
             eval_geometry=request.eval_geometry,
+            eval_only=request.eval_only,
         )
 
 
@@ -107,6 +108,7 @@ class SyntheticMultiLabel(DatasetPlugin):
             seed=request.seed,
             train_geometry=request.train_geometry,
             eval_geometry=request.eval_geometry,
+            eval_only=request.eval_only,
         )
 
 
@@ -128,6 +130,7 @@ class Cifar10(DatasetPlugin):
             download=c.download,
             train_geometry=request.train_geometry,
             eval_geometry=request.eval_geometry,
+            eval_only=request.eval_only,
         )
 
 
@@ -155,4 +158,5 @@ class ImageFolder(DatasetPlugin):
             image_size=request.image_size,
             train_geometry=request.geometry("train"),
             eval_geometry=request.geometry("eval"),
+            eval_only=request.eval_only,
         )

@@ -56,8 +56,13 @@ def _from_torchvision_cifar(ds: datasets.CIFAR10, image_size: int) -> ImageArray
 
 
 def _cifar(
-    name: str, root: str | os.PathLike | None, image_size: int, download: bool, eval_size: int | None = None
-) -> tuple[Dataset, Dataset, int]:
+    name: str,
+    root: str | os.PathLike | None,
+    image_size: int,
+    download: bool,
+    eval_size: int | None = None,
+    eval_only: bool = False,
+) -> tuple[Dataset | None, Dataset, int]:
     cls = datasets.CIFAR10 if name == "cifar10" else datasets.CIFAR100
     if root is None:
         raise DataError(f"{name} needs data.root: the directory that holds {cls.base_folder}/")
@@ -68,7 +73,7 @@ def _cifar(
             f"Set data.download=true to fetch it into {root}."
         )
     try:
-        train = cls(str(root), train=True, download=download)
+        train = None if eval_only else cls(str(root), train=True, download=download)
         val = cls(str(root), train=False, download=download)
     except Exception as err:
         offline = network_failure(err)
@@ -90,9 +95,9 @@ def _cifar(
             f"data.download=true to fetch it again."
         ) from err
     return (
-        _from_torchvision_cifar(train, image_size),
+        None if train is None else _from_torchvision_cifar(train, image_size),
         _from_torchvision_cifar(val, eval_size or image_size),
-        len(train.classes),
+        len(val.classes),
     )
 
 
@@ -117,9 +122,11 @@ class Geometric(Dataset):
         return getattr(self.dataset, "classes", None)
 
 
-def _cut(dataset: Dataset, geometry: Geometry | None) -> Dataset:
+def _cut(dataset: Dataset | None, geometry: Geometry | None) -> Dataset | None:
     """``dataset`` as ``geometry`` cuts it; itself where the geometry takes it whole at its size."""
-    if geometry is None or (geometry.crop == "none" and not geometry.random and _sized(dataset, geometry.size)):
+    if dataset is None or geometry is None:
+        return dataset
+    if geometry.crop == "none" and not geometry.random and _sized(dataset, geometry.size):
         return dataset
     return Geometric(dataset, geometry)
 
@@ -131,13 +138,13 @@ def _sized(dataset: Dataset, size: int) -> bool:
 
 
 def _imagefolder(
-    root: str | os.PathLike | None, train_geometry: Geometry, eval_geometry: Geometry
-) -> tuple[Dataset, Dataset, int]:
-    layout = "<root>/train/<class>/*.jpg and <root>/val/<class>/*.jpg"
+    root: str | os.PathLike | None, train_geometry: Geometry, eval_geometry: Geometry, eval_only: bool = False
+) -> tuple[Dataset | None, Dataset, int]:
+    layout = "<root>/val/<class>/*.jpg" if eval_only else "<root>/train/<class>/*.jpg and <root>/val/<class>/*.jpg"
     if root is None:
         raise DataError(f"imagefolder needs data.root, laid out as {layout}")
     splits = {}
-    for split in ("train", "val"):
+    for split in ("val",) if eval_only else ("train", "val"):
         path = Path(root) / split
         if not path.is_dir():
             raise DataError(f"imagefolder: {path} does not exist; expected {layout}")
@@ -147,16 +154,16 @@ def _imagefolder(
             splits[split] = SkippingImageFolder(str(path), geometry=geometry, replace=split == "train")
         except FileNotFoundError as err:  # no class folders or no images in them
             raise DataError(f"imagefolder: {err}; expected {layout}") from err
-    train, val = splits["train"], splits["val"]
+    train, val = splits.get("train"), splits["val"]
     # ImageFolder numbers classes by sorted folder name, so differing folder sets would
     # silently give the same label to different classes in the two splits.
-    if train.classes != val.classes:
+    if train is not None and train.classes != val.classes:
         raise DataError(
             f"imagefolder: train and val class folders differ under {root}: "
             f"only in train {sorted(set(train.classes) - set(val.classes))}, "
             f"only in val {sorted(set(val.classes) - set(train.classes))}"
         )
-    return train, val, len(train.classes)
+    return train, val, len(val.classes)
 
 
 def build_datasets(
@@ -172,33 +179,38 @@ def build_datasets(
     train_geometry: Geometry | None = None,
     eval_geometry: Geometry | None = None,
     max_shapes: int = 3,
-) -> tuple[Dataset, Dataset, int]:
+    eval_only: bool = False,
+) -> tuple[Dataset | None, Dataset, int]:
     """Return `(train, val, num_classes)` for dataset `name`.
 
     `num_classes`, `train_size`, `val_size` and `seed` apply to `synthetic` and
     `synthetic_multilabel` only (`max_shapes`: the latter's most shapes per image); the
     real datasets report their own class count. The geometries
     (:mod:`slipstream.data.geometry`) cut each split's images; None: as before they
-    existed (the shorter side to ``image_size`` and the centre square).
+    existed (the shorter side to ``image_size`` and the centre square). ``eval_only``:
+    the training split is neither read nor needed (None in its place).
     """
     if name in ("synthetic", "synthetic_multilabel"):
         # Made at any resolution: the evaluation's is drawn at its own size.
         eval_size = eval_geometry.size if eval_geometry else image_size
         try:
             if name == "synthetic":
-                train = SyntheticShapes(train_size, image_size, num_classes, seed, "train")
+                train = None if eval_only else SyntheticShapes(train_size, image_size, num_classes, seed, "train")
                 val = SyntheticShapes(val_size, eval_size, num_classes, seed, "val")
             else:
-                train = SyntheticMultiLabel(train_size, image_size, num_classes, seed, "train", max_shapes)
-                val = SyntheticMultiLabel(val_size, eval_size, num_classes, seed, "val", max_shapes)
+                shapes = SyntheticMultiLabel
+                train = None if eval_only else shapes(train_size, image_size, num_classes, seed, "train", max_shapes)
+                val = shapes(val_size, eval_size, num_classes, seed, "val", max_shapes)
         except ValueError as err:
             raise DataError(f"{name}: {err}") from err
         return _cut(train, train_geometry), _cut(val, eval_geometry), num_classes
     if name in ("cifar10", "cifar100"):
-        train, val, classes = _cifar(name, root, image_size, download, eval_geometry.size if eval_geometry else None)
+        eval_size = eval_geometry.size if eval_geometry else None
+        train, val, classes = _cifar(name, root, image_size, download, eval_size, eval_only)
         return _cut(train, train_geometry), _cut(val, eval_geometry), classes
     if name == "imagefolder":
-        return _imagefolder(root, train_geometry or Geometry(image_size), eval_geometry or Geometry(image_size))
+        geometry = train_geometry or Geometry(image_size), eval_geometry or Geometry(image_size)
+        return _imagefolder(root, *geometry, eval_only=eval_only)
     raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
 
 

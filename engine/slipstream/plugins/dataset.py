@@ -35,6 +35,10 @@ class DataRequest:
     # None: the shorter side to image_size and the centre square, as before these existed.
     train_geometry: Any = None
     eval_geometry: Any = None
+    # Only the evaluation data is wanted (another of data.eval_sets): a plugin may skip its
+    # training split (datasets() returning None for it; BuiltData.train None), so a set
+    # needs no train folder (ImageNet-V2 has none) and builds nothing it never reads.
+    eval_only: bool = False
 
     def geometry(self, split: str) -> Any:
         """The ``train`` or ``eval`` geometry, the plain centre crop where none is given."""
@@ -102,6 +106,8 @@ class DatasetPlugin(Plugin):
         from slipstream.data.loaders import build_loader
 
         train, val, num_classes = self.datasets(request)
+        if request.eval_only:
+            train = None
         common = dict(
             seed=request.seed,
             rank=request.rank,
@@ -111,7 +117,9 @@ class DatasetPlugin(Plugin):
             persistent_workers=request.persistent_workers,
         )
         return BuiltData(
-            train=build_loader(
+            train=None
+            if train is None
+            else build_loader(
                 train,
                 batch_size=request.batch_size,
                 shuffle=True,

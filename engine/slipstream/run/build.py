@@ -25,6 +25,7 @@ from slipstream.plugins.base import Plugin
 from slipstream.plugins.discovery import CALLBACKS_GROUP, PluginInfo
 from slipstream.plugins.metric import record_key
 from slipstream.plugins.registry import Registry
+from slipstream.run.checkpoint import dataset_classes
 from slipstream.run.directory import new_run_dir
 from slipstream.run.process import set_up_process
 from slipstream.trainer import Trainer
@@ -118,8 +119,8 @@ def _eval_sets(cfg: DictConfig, process: Any, data: Any, installed: Any) -> Any:
         dataset = build_dataset_plugin(dict(described), installed)
         train_geometry, eval_geometry = geometries(described, type(dataset).photos, seed=cfg.trainer.seed)
         own = SimpleNamespace(data=OmegaConf.create(described), trainer=cfg.trainer)
-        try:
-            built = _build_data(dataset, own, process, train_geometry, eval_geometry)  # type: ignore[arg-type]
+        try:  # its evaluation split alone: a set needs no training split (ImageNet-V2 has none)
+            built = _build_data(dataset, own, process, train_geometry, eval_geometry, eval_only=True)  # type: ignore[arg-type]
         except ConfigError as exc:
             raise ConfigError(f"data.eval_sets.{name}: {exc}") from None
         if built.num_classes != data.num_classes:
@@ -127,11 +128,30 @@ def _eval_sets(cfg: DictConfig, process: Any, data: Any, installed: Any) -> Any:
                 f"data.eval_sets.{name} has {built.num_classes} classes, the training data {data.num_classes}: "
                 "an evaluation set is labelled as the model predicts"
             )
+        _check_set_classes(name, dataset_classes(data.train) or dataset_classes(data.eval), dataset_classes(built.eval))
         sets[name] = built.eval
     return sets
 
 
-def _build_data(dataset: Any, cfg: DictConfig, process: Any, train_geometry: Any, eval_geometry: Any) -> Any:
+def _check_set_classes(name: str, trained: list[str] | None, named: list[str] | None) -> None:
+    """An evaluation set whose class folders are named otherwise than the training data's
+    (ImageNet-V2's are 0..999, ImageNet's wnids) would score index i as another class."""
+    if not trained or not named or trained == named:
+        return
+    if sorted(trained) == sorted(named):
+        detail = "the same names in another order"
+    else:
+        only_set, only_train = sorted(set(named) - set(trained))[:5], sorted(set(trained) - set(named))[:5]
+        detail = f"only in the set {only_set}, only in the training data {only_train}"
+    raise ConfigError(
+        f"data.eval_sets.{name}: its classes are not the training data's ({detail}, at most 5 of each shown); "
+        "each index would be scored as another class. Name its class folders as the training data's"
+    )
+
+
+def _build_data(
+    dataset: Any, cfg: DictConfig, process: Any, train_geometry: Any, eval_geometry: Any, eval_only: bool = False
+) -> Any:
     d = cfg.data
     request = DataRequest(
         image_size=d.image_size,
@@ -147,6 +167,7 @@ def _build_data(dataset: Any, cfg: DictConfig, process: Any, train_geometry: Any
         world_size=process.world_size,
         train_geometry=train_geometry,
         eval_geometry=eval_geometry,
+        eval_only=eval_only,
     )
     try:
         built = dataset.build(request)
@@ -157,7 +178,7 @@ def _build_data(dataset: Any, cfg: DictConfig, process: Any, train_geometry: Any
             f"data: not enough memory to build {d.name!r} with data.train_size={d.train_size}, "
             f"data.val_size={d.val_size}, data.image_size={d.image_size}; make them smaller"
         ) from None
-    if d.repeats > 1 and getattr(getattr(built.train, "sampler", None), "repeats", 1) != d.repeats:
+    if not eval_only and d.repeats > 1 and getattr(getattr(built.train, "sampler", None), "repeats", 1) != d.repeats:
         # A plugin that builds its own loaders and does not say it repeats (its sampler's
         # `repeats`) would train without repeats while the config says otherwise.
         raise ConfigError(
