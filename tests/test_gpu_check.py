@@ -35,6 +35,7 @@ def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
         "TMPDIR": str(tmp_path_factory.mktemp("gpu_work")),
         # The suite collects (and skips) the CUDA tests itself: not a second time here.
         "GPU_CHECK_SKIP": "cuda_tests",
+        "GPU_CHECK_PAIR": "1",  # on a GPU the pair is run apart; here every step runs
     }
     result = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env, timeout=300)
     return result, out
@@ -47,7 +48,7 @@ def test_the_dry_run_installs_offline_trains_the_pair_and_reports(dry_run):
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["dry_run"] is True
     assert {name: step["exit"] for name, step in report["steps"].items()} == {
-        "install": 0, "cuda_tests": None, "baseline": 0, "fast": 0, "plain_loop": 0, "decode": 0,
+        "install": 0, "cuda_tests": None, "pipeline": 0, "baseline": 0, "fast": 0, "plain_loop": 0, "decode": 0,
     }
     install_log = (out / "install.log").read_text()
     assert "algorithms load from" in install_log  # the engine and plugins came from the temporary target
@@ -59,6 +60,10 @@ def test_the_dry_run_installs_offline_trains_the_pair_and_reports(dry_run):
     assert "time-to-accuracy pair" in text and "baseline" in text and "fast" in text
     # The network in a hand-written loop and through the Trainer: the pair's MFU reference.
     assert report["plain_loop"][0].startswith("hand-written loop") and "through slipstream.Trainer" in text
+    # Training from JPEG shards against a batch on the device, decode=cpu and gpu (issue 41's goals).
+    assert report["pipeline"][0].endswith("steps 2-8 timed") and "the input pipeline" in text
+    assert report["pipeline"][-1].startswith("pipeline data/on-device images/s:")
+    assert {"on-device", "data, decode=cpu", "data, decode=gpu"} <= {line[:18].strip() for line in report["pipeline"]}
     # data.decode=gpu against cpu (in the dry run the "gpu" side decodes on the CPU).
     assert report["decode"][-1].startswith("data.decode gpu/cpu images/s:") and "JPEG decoding" in text
     assert len(list(out.iterdir())) <= 8  # what comes back from the device machine's $OUT

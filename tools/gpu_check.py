@@ -32,7 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # On the bare GPU machine's python3 already (its image's package list).
 PROVIDED = ("torch", "torchvision", "timm", "pluggy", "pytest", "tqdm", "matplotlib", "yaml", "numpy", "PIL")
 # Carried as wheels (`make gpu-wheels`): import name -> distribution name.
-CARRIED = {"omegaconf": "omegaconf", "kornia": "kornia", "kornia_rs": "kornia_rs"}
+CARRIED = {
+    "omegaconf": "omegaconf", "kornia": "kornia", "kornia_rs": "kornia_rs",
+    "webdataset": "webdataset", "braceexpand": "braceexpand",
+}  # fmt: skip
 PAIR = ("baseline", "fast")
 
 
@@ -159,7 +162,8 @@ def site(target: Path) -> int:
         _copy(path, recipes / path.name)
     _dist_info(target, engine, ["slipstream"])
     names = ["slipstream"]
-    for pyproject in sorted([*ROOT.glob("algorithms/*/pyproject.toml"), *ROOT.glob("callbacks/*/pyproject.toml")]):
+    plugins = [*ROOT.glob("algorithms/*/pyproject.toml"), *ROOT.glob("callbacks/*/pyproject.toml")]
+    for pyproject in sorted([*plugins, *ROOT.glob("datasets/*/pyproject.toml")]):  # webdataset: the pipeline step
         config = _toml(pyproject)
         modules = _plugin_modules(pyproject.parent, config)
         for path in modules:
@@ -262,13 +266,14 @@ def _plain_loop(log: Path) -> list[str]:
     return [] if start is None else lines[start:]
 
 
-def _decode(log: Path) -> list[str]:
-    """``bench_decode.py``'s rates (the log's lines from its first on, unstamped)."""
+def _from(log: Path, first: str) -> list[str]:
+    """A benchmark's lines from the first that holds ``first`` on, without the step
+    log's time stamps (``bench_decode.py``'s rates, ``bench_pipeline.py``'s)."""
     if not log.is_file():
         return []
     stamp = re.compile(r"^\s*\d+\.\d  ")
     lines = [stamp.sub("", line, count=1) for line in log.read_text().splitlines()]
-    start = next((i for i, line in enumerate(lines) if "JPEGs of" in line), None)
+    start = next((i for i, line in enumerate(lines) if first in line), None)
     return [] if start is None else lines[start:]
 
 
@@ -300,7 +305,8 @@ def report(out: Path, work: Path, dry_run: bool) -> int:
     tests = _tests(work / "cuda_tests.xml")
     pair = _pair(work)
     plain = _plain_loop(work / "plain_loop.log")
-    decode = _decode(work / "decode.log")
+    decode = _from(work / "decode.log", "JPEGs of")
+    pipeline = _from(work / "pipeline.log", "written as shards")
     result = {
         "dry_run": dry_run,
         "device": device,
@@ -312,6 +318,7 @@ def report(out: Path, work: Path, dry_run: bool) -> int:
         "pair": pair,
         "plain_loop": plain,
         "decode": decode,
+        "pipeline": pipeline,
     }
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     lines = [
@@ -320,7 +327,7 @@ def report(out: Path, work: Path, dry_run: bool) -> int:
         "",
         "steps:",
         *(
-            f"  {name:<10} left out (GPU_CHECK_SKIP)"
+            f"  {name:<10} left out (GPU_CHECK_SKIP; the pair: GPU_CHECK_PAIR=1)"
             if s.get("left_out")
             else f"  {name:<10} exit {s['exit']:>3}  {s['seconds']:7.1f} s{'  TIMED OUT' if s['timed_out'] else ''}"
             for name, s in steps.items()
@@ -331,12 +338,15 @@ def report(out: Path, work: Path, dry_run: bool) -> int:
             f"  {c['outcome']:<7} {c['seconds']:6.1f} s  {c['test']}" + (f"  -- {c['detail']}" if c["detail"] else "")
             for c in tests["cases"]
         ),
+    ]
+    left_out = all(steps.get(name, {}).get("left_out") for name in PAIR)
+    lines += ["", "time-to-accuracy pair: left out (GPU_CHECK_PAIR=1 runs it)"] if left_out else [
         "",
         "time-to-accuracy pair (target: the baseline's final accuracy):",
         f"  {'run':<9} {'status':<12} {'final %':>8} {'wall s':>8} {'to target s':>11} {'img/s':>9} "
         f"{'MFU %':>6} {'peak MiB':>9} {'compile s':>9}",
-    ]
-    for name in PAIR:
+    ]  # fmt: skip
+    for name in [] if left_out else PAIR:
         row = pair.get(name, {"error": "no run"})
         if "error" in row:
             lines.append(f"  {name:<9} {row['error']}")
@@ -358,6 +368,10 @@ def report(out: Path, work: Path, dry_run: bool) -> int:
     if plain:
         lines += ["", "the pair's network on random data on the device (benchmarks/bench_plain_loop.py):"]
         lines += [f"  {line}" for line in plain]
+    if pipeline:
+        lines += ["", "the input pipeline: training from JPEG shards against a batch on the device "
+                      "(benchmarks/bench_pipeline.py):"]
+        lines += [f"  {line}" for line in pipeline]
     if decode:
         lines += ["", "JPEG decoding, data.decode=gpu against cpu (benchmarks/bench_decode.py):"]
         lines += [f"  {line}" for line in decode]

@@ -3,7 +3,7 @@
 The device machine's python3 (3.12, manylinux x86-64) has torch, torchvision, timm,
 pluggy, pytest, tqdm, matplotlib, numpy, PyYAML and packaging, and no network. This
 fetches, for that Python and platform, the wheels of what the engine and the plugins
-the CUDA tests use need beyond that (omegaconf, kornia), at the versions installed in
+the CUDA tests and the pipeline step use need beyond that (omegaconf, kornia, webdataset), at the versions installed in
 this checkout's .venv (what the tests here ran with), and then what those need in
 turn, read from each wheel's metadata. A dependency published only as a source
 distribution is built here into a wheel with ``pip wheel`` (only pure-Python ones are
@@ -42,7 +42,7 @@ ON_DEVICE = {
         "huggingface-hub safetensors scipy pandas rich"
     ).split()
 }
-WANTED = ["omegaconf", "kornia"]
+WANTED = ["omegaconf", "kornia", "webdataset"]  # webdataset: the pipeline step reads shards
 SWEEP = ["optuna"]  # `slipstream sweep` only; no CUDA test needs it
 # The device's interpreter, for evaluating the dependencies' environment markers.
 DEVICE_ENV = {
