@@ -4,6 +4,7 @@ named by import path. CLI runs are in-process (``cli.main``) to keep them cheap.
 
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -509,6 +510,12 @@ def test_class_names_are_kept_checked_at_eval_and_exported(tmp_path, capsys):
     assert "only in the data ['x_a'], only in the checkpoint ['a']" in err and "Traceback" not in err, err
     assert not (tmp_path / "e.json").exists()
     assert main(["eval", "-c", str(run), f"data.root={trained}", "-o", str(tmp_path / "e.json")]) == 0
+    # A test set that comes without a training split (ImageNet-V2's val/ alone) evaluates:
+    # slipstream eval reads the evaluation split only. The same images, the same metrics.
+    shutil.copytree(trained / "val", tmp_path / "v2" / "val")
+    assert main(["eval", "-c", str(run), f"data.root={tmp_path / 'v2'}", "-o", str(tmp_path / "v2.json")]) == 0
+    on_v2, on_trained = (json.loads((tmp_path / f).read_text()) for f in ("v2.json", "e.json"))
+    assert on_v2["loss"] == pytest.approx(on_trained["loss"]) and on_v2["accuracy"] == on_trained["accuracy"]
     out = tmp_path / "m.pt"
     capsys.readouterr()
     assert main(["export", "-c", str(run), "-f", "torchscript", "-o", str(out)]) == 0

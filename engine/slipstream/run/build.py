@@ -38,12 +38,16 @@ def build_trainer(
     installed: dict[str, PluginInfo] | Registry | None = None,
     verbose: bool = True,
     plugins: tuple[list[Plugin], list[Plugin]] | None = None,
+    eval_only: bool = False,
 ) -> Trainer:
     """Everything is validated (algorithms, callbacks, data, model, optimizer) before
     the run directory is touched, so a bad config costs nothing. ``spec``: what
     :func:`~slipstream.config.schema.build_run` returned (a bare config is validated
     here). ``plugins``: the algorithms and callbacks already built from it with
-    ``installed``."""
+    ``installed``. ``eval_only`` (``slipstream eval`` and ``export``, which never train):
+    the data's evaluation split alone where it has one (a folder of ``val/`` only, as
+    ImageNet-V2 comes, evaluates; no training split is scanned), standing in for the
+    training data too."""
     if not isinstance(spec, RunSpec):
         from slipstream.config.schema import validate
 
@@ -67,7 +71,9 @@ def build_trainer(
     # The images' geometry, the dataset's defaults filled in: what the loaders cut, and
     # what config.yaml (and a plugin reading state.config) records as having run.
     train_geometry, eval_geometry = geometries(cfg.data, type(dataset).photos, seed=cfg.trainer.seed)
-    data = _build_data(dataset, cfg, process, train_geometry, eval_geometry)
+    data = _build_data(dataset, cfg, process, train_geometry, eval_geometry, eval_only=eval_only)
+    if eval_only and data.eval is None:  # nothing to evaluate: the training split gives export its inputs
+        data = _build_data(dataset, cfg, process, train_geometry, eval_geometry)
     # data.decode=auto is measured on this data, outside the run's clock (docs/auto.md).
     decode = choose_decode(d.get("decode"), (data.train, data.eval), process.device, verbose=verbose)
     if data.stats is not None and d.normalize:
@@ -88,7 +94,7 @@ def build_trainer(
         model=model,
         optimizer=optimizer,
         loss_fn=loss_fn,
-        train_data=data.train,
+        train_data=data.train if data.train is not None else data.eval,  # eval_only: never trained on
         eval_data=_eval_sets(cfg, process, data, registry.installed(DATASETS_GROUP)),
         algorithms=algorithms,
         callbacks=callbacks,

@@ -128,7 +128,7 @@ def rebuild(
     t.checkpoint_interval, t.best_metric, t.progress_bar = None, None, False
     t.target_accuracy, t.stop_at_target = None, False
     cfg.model.pretrained = False  # the checkpoint has the weights: no download
-    trainer = build_trainer(cfg, label="eval", installed=installed, verbose=False)
+    trainer = build_trainer(cfg, label="eval", installed=installed, verbose=False, eval_only=True)
     Path(trainer.run_dir).mkdir(parents=True, exist_ok=True)
     state = trainer.state
     trainer.pm.hook.init(state=state)  # the plugins' model surgery, as in training
