@@ -150,8 +150,8 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*TorchVision are deprecated.*")
     warnings.filterwarnings("ignore", message="mixed_precision: dtype bf16 on a CPU")  # the dry run's, said
     if args.dry_run or args.quick:  # run_all.py --quick: the same toy run
-        args.images, args.source, args.size, args.batch = 48, [64, 48], 32, 8
-        args.workers, args.model, args.steps, args.warmup = 1, "test_resnet", 8, 2
+        args.images, args.source, args.size, args.batch = 32, [48, 36], 16, 8
+        args.workers, args.model, args.steps, args.warmup = 1, "test_resnet", 6, 2
         device = torch.device("cpu")
     elif not torch.cuda.is_available():  # run_all.py on a CPU machine: said, not failed
         print("bench_pipeline: skipped: it measures a GPU and there is none (--dry-run: toy sizes on the CPU)")
