@@ -25,7 +25,7 @@ from slipstream.plugins.base import Plugin
 from slipstream.plugins.discovery import CALLBACKS_GROUP, PluginInfo
 from slipstream.plugins.metric import record_key
 from slipstream.plugins.registry import Registry
-from slipstream.run.checkpoint import dataset_classes
+from slipstream.run.checkpoint import class_mismatch, dataset_classes
 from slipstream.run.directory import new_run_dir
 from slipstream.run.process import set_up_process
 from slipstream.trainer import Trainer
@@ -142,17 +142,12 @@ def _eval_sets(cfg: DictConfig, process: Any, data: Any, installed: Any) -> Any:
 def _check_set_classes(name: str, trained: list[str] | None, named: list[str] | None) -> None:
     """An evaluation set whose class folders are named otherwise than the training data's
     (ImageNet-V2's are 0..999, ImageNet's wnids) would score index i as another class."""
-    if not trained or not named or trained == named:
-        return
-    if sorted(trained) == sorted(named):
-        detail = "the same names in another order"
-    else:
-        only_set, only_train = sorted(set(named) - set(trained))[:5], sorted(set(trained) - set(named))[:5]
-        detail = f"only in the set {only_set}, only in the training data {only_train}"
-    raise ConfigError(
-        f"data.eval_sets.{name}: its classes are not the training data's ({detail}, at most 5 of each shown); "
-        "each index would be scored as another class. Name its class folders as the training data's"
-    )
+    detail = class_mismatch(trained, named, ("set", "training data"))
+    if detail is not None:
+        raise ConfigError(
+            f"data.eval_sets.{name}: its classes are not the training data's ({detail}); "
+            "each index would be scored as another class. Name its class folders as the training data's"
+        )
 
 
 def _build_data(

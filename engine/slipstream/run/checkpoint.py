@@ -267,6 +267,20 @@ def dataset_classes(loader: Any) -> list[str] | None:
     return None
 
 
+def class_mismatch(trained: Sequence[str] | None, data: Sequence[str] | None, sides: tuple[str, str]) -> str | None:
+    """How the class names ``data`` has differ from those the model was ``trained`` on
+    (``sides``: how a message names the two), or None where they agree or either side
+    names none (a checkpoint of an older version, a stream of shards). An ImageFolder
+    numbers its folders in sorted order, so differing names score index i as another class."""
+    if not trained or not data or list(trained) == list(data):
+        return None
+    if sorted(trained) == sorted(data):
+        first = list(trained)[:8], list(data)[:8]
+        return f"the same classes in another order: the {sides[1]}'s {first[0]}, the {sides[0]}'s {first[1]}"
+    only_data, only_trained = sorted(set(data) - set(trained))[:8], sorted(set(trained) - set(data))[:8]
+    return f"only in the {sides[0]} {only_data}, only in the {sides[1]} {only_trained} (at most 8 of each shown)"
+
+
 def _weights_tag(plugin: Any) -> dict[str, str]:
     kind = getattr(plugin, "weights", None)
     return {"weights": kind} if isinstance(kind, str) and kind else {}

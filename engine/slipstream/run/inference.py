@@ -27,6 +27,7 @@ from torch import nn
 from slipstream.data.loaders import stop_workers
 from slipstream.errors import CheckpointError, ConfigError, ConfigWarning, describe
 from slipstream.run.checkpoint import (
+    class_mismatch,
     dataset_classes,
     load_checkpoint,
     select_weights,
@@ -249,16 +250,10 @@ def note_weights(payload: Any, weights: str, checkpoint: Any, doing: str) -> Non
 
 def check_classes(trained: Sequence[str] | None, data: Sequence[str] | None, checkpoint: Any) -> None:
     """Refuse, naming the classes, data whose class names differ from those the
-    checkpoint's weights were trained on: index i would be scored as another class
-    (an ImageFolder numbers its folders in sorted order). Nothing to check where either
-    side names none (a checkpoint of an older version, a stream of shards)."""
-    if not trained or not data or list(trained) == list(data):
+    checkpoint's weights were trained on (:func:`slipstream.run.checkpoint.class_mismatch`)."""
+    detail = class_mismatch(trained, data, ("data", "checkpoint"))
+    if detail is None:
         return
-    if sorted(trained) == sorted(data):
-        detail = f"the same classes in another order: the checkpoint's {list(trained)}, the data's {list(data)}"
-    else:
-        only_data, only_trained = sorted(set(data) - set(trained)), sorted(set(trained) - set(data))
-        detail = f"only in the data {only_data}, only in the checkpoint {only_trained}"
     raise ConfigError(
         f"the evaluation data's classes are not those {checkpoint} was trained on ({detail}); "
         "its accuracy would score each index as another class. Evaluate on data with the same class folders"
