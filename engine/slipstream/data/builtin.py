@@ -62,17 +62,17 @@ class Synthetic(DatasetPlugin):
     """Procedurally generated shapes: learnable, deterministic, any resolution, no download."""
 
     name = "synthetic"
-    config_class = SyntheticConfig
+    config_class: type = SyntheticConfig
     stats = DATASET_STATS["synthetic"]
 
     @classmethod
     def known_num_classes(cls, data: Mapping[str, Any]) -> Optional[int]:
-        return data.get("num_classes", SyntheticConfig.num_classes)
+        return data.get("num_classes", cls.config_class.num_classes)
 
     def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:
         c = self.config
         return build_datasets(
-            "synthetic",
+            self.name,
             image_size=request.image_size,
             num_classes=c.num_classes,
             train_size=c.train_size,
@@ -81,10 +81,15 @@ class Synthetic(DatasetPlugin):
             train_geometry=request.train_geometry,
             eval_geometry=request.eval_geometry,
             eval_only=request.eval_only,
+            **self.own_options(),
         )
 
+    def own_options(self) -> dict[str, Any]:
+        """What this generator takes beyond the shapes' common options."""
+        return {}
 
-class SyntheticMultiLabel(DatasetPlugin):
+
+class SyntheticMultiLabel(Synthetic):
     """Several shapes per image, multi-hot targets (loss.name=bce): deterministic, no download."""
 
     name = "synthetic_multilabel"
@@ -92,24 +97,8 @@ class SyntheticMultiLabel(DatasetPlugin):
     stats = DATASET_STATS["synthetic_multilabel"]
     task = "multilabel"
 
-    @classmethod
-    def known_num_classes(cls, data: Mapping[str, Any]) -> Optional[int]:
-        return data.get("num_classes", SyntheticMultiLabelConfig.num_classes)
-
-    def datasets(self, request: DataRequest) -> tuple[Any, Any, int]:
-        c = self.config
-        return build_datasets(
-            "synthetic_multilabel",
-            image_size=request.image_size,
-            num_classes=c.num_classes,
-            train_size=c.train_size,
-            val_size=c.val_size,
-            max_shapes=c.max_shapes,
-            seed=request.seed,
-            train_geometry=request.train_geometry,
-            eval_geometry=request.eval_geometry,
-            eval_only=request.eval_only,
-        )
+    def own_options(self) -> dict[str, Any]:
+        return {"max_shapes": self.config.max_shapes}
 
 
 class Cifar10(DatasetPlugin):
