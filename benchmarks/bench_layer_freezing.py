@@ -16,12 +16,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 from slipstream_layer_freezing import LayerFreezing, LayerFreezingConfig, freeze_layers
 
-from common import compare, parser, random_loader, report
+from common import sgd_variant, step_args, time_variants
 from slipstream import Algorithm, State, hookimpl
-from slipstream.models import build_model
 
 
 class FrozenFromTheStart(Algorithm):
@@ -40,13 +38,7 @@ class FrozenFromTheStart(Algorithm):
 
 def bench(model_name: str, size: int, batch: int, args: Any) -> None:
     def variant(make=None):
-        def build():
-            torch.manual_seed(0)
-            model = build_model(model_name, 10, image_size=size)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-            return model, optimizer, [make()] if make else []
-
-        return build
+        return sgd_variant(model_name, size, (lambda: [make()]) if make else None)
 
     variants = {
         "no freezing": variant(),
@@ -55,22 +47,13 @@ def bench(model_name: str, size: int, batch: int, args: Any) -> None:
         "75% of layers frozen": variant(lambda: FrozenFromTheStart(0.75)),
         "layer_freezing (defaults, run avg)": variant(lambda: LayerFreezing(LayerFreezingConfig())),
     }
-    data = random_loader(batch * (args.warmup + args.steps), size, batch)
-    results = compare(variants, data, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-                      clock=time.process_time)  # CPU time: the machine is shared
-    report(f"{model_name} at {size} px, batch {batch}, {args.threads} thread(s), CPU time per step", results)
+    title = f"{model_name} at {size} px, batch {batch}, {args.threads} thread(s), CPU time per step"
+    time_variants(variants, args, size=size, batch=batch, title=title, clock=time.process_time)  # the machine is shared
 
 
 def main() -> None:
-    p = parser(__doc__.splitlines()[0])
-    p.set_defaults(steps=10, warmup=2, repeats=3)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.quick:
-        args.steps, args.warmup, args.repeats = 3, 1, 1
-        bench("resnet18", 32, 16, args)
-        return
-    bench("resnet18", 32, 32, args)
+    args = step_args(__doc__.splitlines()[0])
+    bench("resnet18", 32, 16 if args.quick else 32, args)
 
 
 if __name__ == "__main__":

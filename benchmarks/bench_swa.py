@@ -16,22 +16,15 @@ import time
 import warnings
 from typing import Any
 
-import torch
 from slipstream_swa import SWA, SWAConfig, swa_update
 
-from common import compare, parser, random_loader, report
+from common import sgd_variant, step_args, time_variants
 from slipstream.models import build_model
 
 
 def bench(model_name: str, size: int, batch: int, args: Any) -> None:
     def variant(**options: Any):
-        def build():
-            torch.manual_seed(0)
-            model = build_model(model_name, 10, image_size=size)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-            return model, optimizer, [SWA(SWAConfig(**options))] if options else []
-
-        return build
+        return sgd_variant(model_name, size, (lambda: [SWA(SWAConfig(**options))]) if options else None)
 
     total = args.warmup + args.steps
     variants = {
@@ -41,11 +34,10 @@ def bench(model_name: str, size: int, batch: int, args: Any) -> None:
         # One update at batch 1, then the statistics pass on every later batch.
         "swa, statistics pass": variant(swa_start="1ba", swa_end="2ba", update_interval="1ba"),
     }
-    data = random_loader(batch * total, size, batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # swa_end at the run's end: no statistics pass (said once per run)
-        results = compare(variants, data, steps=args.steps, warmup=args.warmup, repeats=args.repeats)
-    report(f"{model_name} at {size} px, batch {batch}, {args.threads} threads", results)
+        time_variants(variants, args, size=size, batch=batch,
+                      title=f"{model_name} at {size} px, batch {batch}, {args.threads} threads")  # fmt: skip
 
     model = build_model(model_name, 10, image_size=size)
     live = list(model.state_dict().values())
@@ -61,15 +53,8 @@ def bench(model_name: str, size: int, batch: int, args: Any) -> None:
 
 
 def main() -> None:
-    p = parser(__doc__.splitlines()[0])
-    p.set_defaults(steps=10, warmup=2, repeats=3)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.quick:
-        args.steps, args.warmup, args.repeats = 3, 2, 1
-        bench("resnet18", 32, 16, args)
-        return
-    bench("resnet18", 32, 32, args)
+    args = step_args(__doc__.splitlines()[0], quick_warmup=2)
+    bench("resnet18", 32, 16 if args.quick else 32, args)
 
 
 if __name__ == "__main__":

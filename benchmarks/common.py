@@ -248,3 +248,52 @@ def mixed_precision_bf16() -> Callable[[], Algorithm] | None:
         print("(mixed_precision is not installed: bf16 variants skipped)")
         return None
     return lambda: info.cls(plugin_config(info.cls, {"dtype": "bf16"}))
+
+
+# -- step benchmarks: one model, SGD, with and without a plugin -----------------------
+
+
+def step_args(description: str, quick_warmup: int = 1) -> argparse.Namespace:
+    """A step benchmark's options (10 timed steps after 2, 3 repetitions; ``--quick``:
+    3 after ``quick_warmup``, once), parsed, with torch's threads set."""
+    p = parser(description)
+    p.set_defaults(steps=10, warmup=2, repeats=3)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.steps, args.warmup, args.repeats = 3, quick_warmup, 1
+    return args
+
+
+def sgd_variant(
+    model_name: str, size: int, make: Callable[[], list[Algorithm]] | None = None, **model_kwargs: Any
+) -> Variant:
+    """``model_name`` for 10 classes at ``size`` px, built seeded (every variant starts
+    from the same weights), SGD (lr 0.05, momentum 0.9), and the algorithms ``make()``
+    returns (None: the plain baseline)."""
+    from slipstream.models import build_model
+
+    def build():
+        torch.manual_seed(0)
+        model = build_model(model_name, 10, image_size=size, **model_kwargs)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return model, optimizer, make() if make is not None else []
+
+    return build
+
+
+def time_variants(
+    variants: dict[str, Variant],
+    args: argparse.Namespace,
+    *,
+    size: int,
+    batch: int,
+    title: str,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Result]:
+    """:func:`compare` on random ``size`` px batches of ``batch``, as ``args`` says, and
+    the table under ``title``."""
+    data = random_loader(batch * (args.warmup + args.steps), size, batch)
+    results = compare(variants, data, steps=args.steps, warmup=args.warmup, repeats=args.repeats, clock=clock)
+    report(title, results)
+    return results
