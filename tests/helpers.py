@@ -182,3 +182,37 @@ def record_worker_shutdowns(monkeypatch) -> list[tuple[list[bool], str]]:
 
     monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "_shutdown_workers", recorded)
     return seen
+
+
+class ScriptedMetric(Algorithm):
+    """Each evaluation's ``metric`` replaced by the next of ``values`` (the last one
+    again once they run out), so the best evaluation is known in advance. Algorithms act
+    before the engine and the callbacks read the metrics, so they see the scripted value."""
+
+    name = "scripted_eval"
+
+    def __init__(self, values: list[float], metric: str = "accuracy") -> None:
+        super().__init__()
+        self.values, self.metric, self.seen = list(values), metric, 0
+
+    @hookimpl
+    def eval_end(self, state: Any) -> None:
+        state.eval_metrics[self.metric] = self.values[min(self.seen, len(self.values) - 1)]
+        self.seen += 1
+
+
+class ConstantMetric:
+    """A metric plugin of one's own that computes 0.0: a test scripts its values with
+    :class:`ScriptedMetric` and subclasses this for a name and a direction."""
+
+    name = "constant"
+    higher_is_better = True
+
+    def update(self, outputs: Any, targets: Any) -> None:
+        pass
+
+    def compute(self) -> float:
+        return 0.0
+
+    def reset(self) -> None:
+        pass

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from helpers import TINY_RUN, error_lines, tiny_loaders, tiny_model
-from slipstream import Algorithm, CheckpointError, Trainer, hookimpl, load_checkpoint
+from helpers import TINY_RUN, ConstantMetric, ScriptedMetric, error_lines, tiny_loaders, tiny_model
+from slipstream import CheckpointError, Trainer, load_checkpoint
 from slipstream.cli.main import main
 from slipstream.run.average import average_state_dicts
 from slipstream.run.checkpoint import save_checkpoint
@@ -36,20 +36,6 @@ def ema_run(tmp_path_factory):
     return run
 
 
-class ScriptedLoss(Algorithm):
-    """Each evaluation's loss is the next scripted value, so the best steps are known."""
-
-    name = "scripted_loss"
-
-    def __init__(self, values):
-        super().__init__()
-        self.values = list(values)
-
-    @hookimpl
-    def eval_end(self, state):
-        state.eval_metrics["loss"] = self.values.pop(0)
-
-
 def scripted_run(tmp_path, keep_best):
     """4 epochs of one batch, eval losses 0.5, 0.9, 0.7, 0.8: the best are steps 1 and 3."""
     data, _ = tiny_loaders(n=16)
@@ -60,7 +46,7 @@ def scripted_run(tmp_path, keep_best):
         train_data=data,
         eval_data=data,
         max_duration="4ep",
-        algorithms=[ScriptedLoss([0.5, 0.9, 0.7, 0.8])],
+        algorithms=[ScriptedMetric([0.5, 0.9, 0.7, 0.8], "loss")],
         run_dir=tmp_path / "run",
         device="cpu",
         checkpoint_keep=1,
@@ -208,29 +194,11 @@ def test_keep_best_keeps_the_best_and_best_n_averages_them(tmp_path, capsys):
     assert len(errors) == 1 and "holds 2 checkpoint" in errors[0] and "trainer.keep_best=3" in errors[0], errors
 
 
-class Hits:
+class Hits(ConstantMetric):
     """A metric of one's own, higher better, that no table of the engine names: its
     values come from ScriptedMetric."""
 
     name = "hits"
-    higher_is_better = True
-
-    def update(self, outputs, targets):
-        pass
-
-    def compute(self):
-        return 0.0
-
-    def reset(self):
-        pass
-
-
-class ScriptedMetric(ScriptedLoss):
-    name = "scripted_hits"
-
-    @hookimpl
-    def eval_end(self, state):
-        state.eval_metrics["hits"] = self.values.pop(0)
 
 
 def test_best_n_ranks_by_any_metric_in_its_direction(tmp_path, capsys):
@@ -240,7 +208,7 @@ def test_best_n_ranks_by_any_metric_in_its_direction(tmp_path, capsys):
     model = tiny_model()
     trainer = Trainer(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), train_data=data, eval_data=data,
-        max_duration="4ep", algorithms=[ScriptedMetric([0.5, 0.9, 0.7, 0.8])], metrics=["loss", Hits],
+        max_duration="4ep", algorithms=[ScriptedMetric([0.5, 0.9, 0.7, 0.8], "hits")], metrics=["loss", Hits],
         run_dir=tmp_path / "run", device="cpu", checkpoint_keep=1, keep_best=2, best_metric="hits",
         progress_bar=False, verbose=False,
     )  # fmt: skip

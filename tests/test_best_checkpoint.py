@@ -8,31 +8,25 @@ import warnings
 import pytest
 import torch
 
-from helpers import Probe, train
-from slipstream import Algorithm, ConfigError, hookimpl, load_checkpoint
+from helpers import Probe, ScriptedMetric, train
+from slipstream import ConfigError, hookimpl, load_checkpoint
 
 
-class ScriptedEval(Algorithm):
-    """Replaces each evaluation's accuracy (or loss) with the next scripted value, so
-    the best evaluation is known in advance. Algorithms act before the engine
-    records, so the checkpointer sees the scripted value."""
-
-    name = "scripted_eval"
+class ScriptedEval(ScriptedMetric):
+    """ScriptedMetric that can also poison a weight: after evaluation ``poison_at`` a
+    weight becomes NaN."""
 
     def __init__(self, values, metric="accuracy", poison_at=None):
-        super().__init__()
-        self.values = list(values)
-        self.metric = metric
-        self.poison_at = poison_at  # evaluation index after which a weight becomes NaN
-        self.seen = 0
+        super().__init__(values, metric)
+        self.poison_at = poison_at
 
     @hookimpl
     def eval_end(self, state):
-        state.eval_metrics[self.metric] = self.values[self.seen]
-        if self.seen == self.poison_at:
+        poison = self.seen == self.poison_at
+        super().eval_end(state)
+        if poison:
             with torch.no_grad():
                 next(state.model.parameters()).view(-1)[0] = float("nan")
-        self.seen += 1
 
 
 def weights(payload):

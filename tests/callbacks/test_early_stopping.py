@@ -6,25 +6,9 @@ from __future__ import annotations
 import pytest
 from slipstream_early_stopping import EarlyStopping, EarlyStoppingConfig, improved
 
-from helpers import train
-from slipstream import Algorithm, ConfigError, hookimpl, load_checkpoint
+from helpers import ConstantMetric, ScriptedMetric, train
+from slipstream import ConfigError, load_checkpoint
 from slipstream.cli.main import exit_code
-
-
-class ScriptedEval(Algorithm):
-    """Each evaluation reports the next scripted value (algorithms act before callbacks)."""
-
-    name = "scripted_eval"
-
-    def __init__(self, values, metric="accuracy"):
-        super().__init__()
-        self.values, self.metric, self.seen = list(values), metric, 0
-
-    @hookimpl
-    def eval_end(self, state):
-        state.eval_metrics[self.metric] = self.values[min(self.seen, len(self.values) - 1)]
-        self.seen += 1
-
 
 PLATEAU = [0.5, 0.6, 0.6, 0.55, 0.6, 0.7, 0.8, 0.9]  # no gain after the 2nd evaluation for a while
 
@@ -33,7 +17,7 @@ def test_stops_when_the_metric_stops_improving(tmp_path):
     # One evaluation per batch: the 5th evaluation is the 3rd without a gain.
     stopper = EarlyStopping(EarlyStoppingConfig(patience=3))
     trainer = train(
-        tmp_path, [ScriptedEval(PLATEAU)], callbacks=[stopper], max_duration="4ep", eval_interval="1ba"
+        tmp_path, [ScriptedMetric(PLATEAU)], callbacks=[stopper], max_duration="4ep", eval_interval="1ba"
     )
     summary = trainer.summary
     assert summary["status"] == "stopped_early" and exit_code(summary) == 0
@@ -46,7 +30,7 @@ def test_stops_when_the_metric_stops_improving(tmp_path):
 def test_does_not_stop_with_a_large_patience(tmp_path):
     stopper = EarlyStopping(EarlyStoppingConfig(patience=4))
     trainer = train(
-        tmp_path, [ScriptedEval(PLATEAU)], callbacks=[stopper], max_duration="2ep", eval_interval="1ba"
+        tmp_path, [ScriptedMetric(PLATEAU)], callbacks=[stopper], max_duration="2ep", eval_interval="1ba"
     )
     assert trainer.summary["status"] == "completed" and trainer.summary["batches"] == 8
     assert "stop_reason" not in trainer.summary
@@ -58,12 +42,12 @@ def test_min_delta_and_loss_mode(tmp_path):
     stopper = EarlyStopping(EarlyStoppingConfig(monitor="loss", patience=2, min_delta=0.01))
     assert stopper.config.mode == "min"
     trainer = train(
-        tmp_path / "a", [ScriptedEval(losses, "loss")], callbacks=[stopper], max_duration="2ep", eval_interval="1ba"
+        tmp_path / "a", [ScriptedMetric(losses, "loss")], callbacks=[stopper], max_duration="2ep", eval_interval="1ba"
     )
     assert trainer.summary["status"] == "stopped_early" and trainer.summary["batches"] == 3
     trainer = train(
         tmp_path / "b",
-        [ScriptedEval(losses, "loss")],
+        [ScriptedMetric(losses, "loss")],
         callbacks=[EarlyStopping(EarlyStoppingConfig(monitor="loss", patience=2))],
         max_duration="2ep",
         eval_interval="1ba",
@@ -81,20 +65,11 @@ def test_improved_and_config_checks():
         EarlyStoppingConfig(mode="up")
 
 
-class Errors:
-    """A metric of one's own, lower better (its values scripted by ScriptedEval)."""
+class Errors(ConstantMetric):
+    """A metric of one's own, lower better (its values scripted by ScriptedMetric)."""
 
     name = "errors"
     higher_is_better = False
-
-    def update(self, outputs, targets):
-        pass
-
-    def compute(self):
-        return 0.0
-
-    def reset(self):
-        pass
 
 
 def test_any_evaluated_metric_is_monitored_in_its_plugins_direction(tmp_path):
@@ -103,14 +78,14 @@ def test_any_evaluated_metric_is_monitored_in_its_plugins_direction(tmp_path):
     assert config.mode is None  # not one of the engine's: the direction comes with the run's metric
     stopper = EarlyStopping(config)
     trainer = train(
-        tmp_path / "a", [ScriptedEval(falling, "errors")], callbacks=[stopper], max_duration="1ep",
+        tmp_path / "a", [ScriptedMetric(falling, "errors")], callbacks=[stopper], max_duration="1ep",
         eval_interval="1ba", metrics=["loss", Errors], best_metric="errors",
     )  # fmt: skip
     assert stopper.monitor_higher is False and trainer.summary["status"] == "completed"
     # The same values read as higher-better (mode given) stop at the 3rd evaluation.
     stopper = EarlyStopping(EarlyStoppingConfig(monitor="errors", patience=2, mode="max"))
     trainer = train(
-        tmp_path / "b", [ScriptedEval(falling, "errors")], callbacks=[stopper], max_duration="1ep",
+        tmp_path / "b", [ScriptedMetric(falling, "errors")], callbacks=[stopper], max_duration="1ep",
         eval_interval="1ba", metrics=["loss", Errors], best_metric="errors",
     )  # fmt: skip
     assert trainer.summary["status"] == "stopped_early" and trainer.summary["batches"] == 3
