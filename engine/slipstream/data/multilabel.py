@@ -22,13 +22,9 @@ from torch.utils.data import Dataset
 
 from slipstream.data.synthetic import (
     _LABELS,
-    _NOISE,
     _POLYGONS,
-    _SCENE,
     SPLITS,
-    _background,
     _Canvas,
-    _clutter,
     _contrasting_colour,
     _entropy,
     _place,
@@ -36,6 +32,7 @@ from slipstream.data.synthetic import (
     _rgb,
     _supersample,
     check_split_and_sizes,
+    compose,
 )
 
 # One class per shape (a pair of one shape is no other label here), those a small model
@@ -62,35 +59,26 @@ def draw_labels(seed: int, split_id: int, index: int, num_classes: int, max_shap
 def _render_sample(
     seed: int, split_id: int, index: int, present: np.ndarray, image_size: int, canvas: _Canvas
 ) -> np.ndarray:
-    """One sample as an H x W x 3 uint8 array (scene drawn in a fixed order, as the
-    single-label set draws it, so only the final noise depends on the resolution)."""
-    rng = np.random.default_rng(_entropy(seed, _SCENE, split_id, index))
-    size = canvas.size
-    img, bg_mean = _background(rng, canvas)
-    draw = ImageDraw.Draw(img)
-    clutter_in_front = rng.random() < 0.5
-    if not clutter_in_front:
-        _clutter(rng, draw, size)
-    cells = rng.permutation(CELLS)[: len(present)]
-    for label, cell in zip(present, cells, strict=True):
-        radius = rng.uniform(0.15, 0.21)
-        # The cell's centre (0.25 or 0.75 on each axis), moved at most so far that the
-        # shape stays inside its cell.
-        slack = max(0.0, 0.24 - radius)
-        cx = 0.25 + 0.5 * (cell % 2) + rng.uniform(-slack, slack)
-        cy = 0.25 + 0.5 * (cell // 2) + rng.uniform(-slack, slack)
-        mask = Image.new("L", (size, size), 0)
-        mask_draw = ImageDraw.Draw(mask)
-        for value, pts in _place(_POLYGONS[LABELS[int(label)]], cx, cy, radius, rng.uniform(0, 2 * np.pi), size):
-            mask_draw.polygon(pts, fill=value)
-        img.paste(_rgb(_contrasting_colour(rng, bg_mean)), (0, 0), mask)
-    if clutter_in_front:
-        _clutter(rng, draw, size)
-    noise_sigma = rng.uniform(0.0, 0.06) * 255
-    out = np.asarray(img.reduce(size // image_size), dtype=np.float32)
-    noise_rng = np.random.default_rng(_entropy(seed, _NOISE, split_id, index, image_size))
-    out = out + noise_rng.standard_normal(out.shape, dtype=np.float32) * noise_sigma
-    return np.clip(out + 0.5, 0, 255).astype(np.uint8)
+    """One sample as an H x W x 3 uint8 array: each present class's shape in a cell of
+    its own, composed as the single-label set composes its scenes (:func:`compose`)."""
+
+    def paint(rng: np.random.Generator, img: Image.Image, bg_mean: Any) -> None:
+        size = canvas.size
+        cells = rng.permutation(CELLS)[: len(present)]
+        for label, cell in zip(present, cells, strict=True):
+            radius = rng.uniform(0.15, 0.21)
+            # The cell's centre (0.25 or 0.75 on each axis), moved at most so far that the
+            # shape stays inside its cell.
+            slack = max(0.0, 0.24 - radius)
+            cx = 0.25 + 0.5 * (cell % 2) + rng.uniform(-slack, slack)
+            cy = 0.25 + 0.5 * (cell // 2) + rng.uniform(-slack, slack)
+            mask = Image.new("L", (size, size), 0)
+            mask_draw = ImageDraw.Draw(mask)
+            for value, pts in _place(_POLYGONS[LABELS[int(label)]], cx, cy, radius, rng.uniform(0, 2 * np.pi), size):
+                mask_draw.polygon(pts, fill=value)
+            img.paste(_rgb(_contrasting_colour(rng, bg_mean)), (0, 0), mask)
+
+    return compose(seed, split_id, index, image_size, canvas, paint)
 
 
 def _render_range(args: tuple[int, int, int, list[np.ndarray], int]) -> np.ndarray:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -248,10 +250,12 @@ def _clutter(rng: np.random.Generator, draw: ImageDraw.ImageDraw, size: int) -> 
             draw.line((cx - dx, cy - dy, cx + dx, cy + dy), fill=colour, width=width)
 
 
-def _render_sample(
-    seed: int, split_id: int, index: int, label: int, image_size: int, canvas: _Canvas
+def compose(
+    seed: int, split_id: int, index: int, image_size: int, canvas: _Canvas, paint: Callable[..., None]
 ) -> np.ndarray:
-    """Render one sample as an H x W x 3 uint8 array.
+    """One sample as an H x W x 3 uint8 array: background, clutter behind or in front,
+    ``paint(rng, img, bg_mean)`` for the labelled shapes, then the reduction to
+    ``image_size`` and pixel noise (the multi-label set composes its scenes the same way).
 
     All scene parameters are drawn, in a fixed order, from a stream that does not depend
     on `image_size`; only the final pixel noise has a per-resolution stream.
@@ -263,10 +267,7 @@ def _render_sample(
     clutter_in_front = rng.random() < 0.5
     if not clutter_in_front:
         _clutter(rng, draw, size)
-    shape, count = SHAPES[label % len(SHAPES)], 1 + label // len(SHAPES)
-    mask = _shape_mask(rng, shape, count, size)
-    fg = _contrasting_colour(rng, bg_mean)
-    img.paste(_rgb(fg), (0, 0), mask)
+    paint(rng, img, bg_mean)
     if clutter_in_front:
         _clutter(rng, draw, size)
     noise_sigma = rng.uniform(0.0, 0.06) * 255
@@ -274,6 +275,19 @@ def _render_sample(
     noise_rng = np.random.default_rng(_entropy(seed, _NOISE, split_id, index, image_size))
     out = out + noise_rng.standard_normal(out.shape, dtype=np.float32) * noise_sigma
     return np.clip(out + 0.5, 0, 255).astype(np.uint8)
+
+
+def _render_sample(
+    seed: int, split_id: int, index: int, label: int, image_size: int, canvas: _Canvas
+) -> np.ndarray:
+    """Render one sample (shape ``label`` names, as many as it says) as an H x W x 3 uint8 array."""
+
+    def paint(rng: np.random.Generator, img: Image.Image, bg_mean: Any) -> None:
+        shape, count = SHAPES[label % len(SHAPES)], 1 + label // len(SHAPES)
+        mask = _shape_mask(rng, shape, count, canvas.size)
+        img.paste(_rgb(_contrasting_colour(rng, bg_mean)), (0, 0), mask)
+
+    return compose(seed, split_id, index, image_size, canvas, paint)
 
 
 # Sets at least this large are rendered by several processes: a fork costs a few ms,
